@@ -1,0 +1,17 @@
+"""Triton adapter for `aggregated`: Baseline with the same interface: one vLLM engine does everything from pixels."""
+
+import triton_python_backend_utils as pb_utils
+
+from orchestrator.handlers import AggregatedHandler
+from orchestrator.triton.runner import DecoupledModelRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runner = DecoupledModelRunner(args, pb_utils, AggregatedHandler.create)
+
+    def execute(self, requests):
+        self.runner.submit(requests)
+
+    def finalize(self):
+        self.runner.stop()

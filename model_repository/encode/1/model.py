@@ -1,0 +1,17 @@
+"""Triton adapter for `encode`: Images in, metadata-only embedding handles out (the embeddings stay in this server's pool)."""
+
+import triton_python_backend_utils as pb_utils
+
+from orchestrator.handlers import EncodeHandler
+from orchestrator.triton.runner import DecoupledModelRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runner = DecoupledModelRunner(args, pb_utils, EncodeHandler.create)
+
+    def execute(self, requests):
+        self.runner.submit(requests)
+
+    def finalize(self):
+        self.runner.stop()

@@ -1,0 +1,17 @@
+"""Triton adapter for `epd`: Public entry point: routes a request Encode -> Prefill -> Decode and streams text back."""
+
+import triton_python_backend_utils as pb_utils
+
+from orchestrator.pipeline import EPDPipeline
+from orchestrator.triton.runner import DecoupledModelRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runner = DecoupledModelRunner(args, pb_utils, EPDPipeline.create)
+
+    def execute(self, requests):
+        self.runner.submit(requests)
+
+    def finalize(self):
+        self.runner.stop()

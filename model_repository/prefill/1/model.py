@@ -1,0 +1,17 @@
+"""Triton adapter for `prefill`: vLLM prefill (NixlConnector kv_producer) fed with image embeddings pulled by handle."""
+
+import triton_python_backend_utils as pb_utils
+
+from orchestrator.handlers import PrefillHandler
+from orchestrator.triton.runner import DecoupledModelRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runner = DecoupledModelRunner(args, pb_utils, PrefillHandler.create)
+
+    def execute(self, requests):
+        self.runner.submit(requests)
+
+    def finalize(self):
+        self.runner.stop()

@@ -1,0 +1,191 @@
+"""Deployment topology: which Triton servers exist, which stages each hosts, how they talk.
+
+One pydantic model validated in one place; every other module receives an already-valid
+``Topology``. Loaded from YAML (``epd serve --topology FILE``) or built in code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+StageName = Literal["encode", "prefill", "decode", "epd", "aggregated"]
+"""Triton models a server can host. ``encode`` brings its ``vision_encoder`` along."""
+
+TransferKind = Literal["nixl", "inline"]
+EncoderRuntimeKind = Literal["onnxruntime", "tensorrt"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSpec(_Spec):
+    """One Triton server process (one host in a multi-host deployment)."""
+
+    host: str = LOOPBACK
+    """Address the server binds and that other servers use to reach it."""
+    http_port: int = Field(ge=1, le=65535)
+    """KServe v2 HTTP port."""
+    grpc_port: int = Field(ge=1, le=65535)
+    """KServe v2 gRPC port; remote stage calls use it."""
+    metrics_port: int = Field(ge=1, le=65535)
+    """Prometheus ``/metrics`` port."""
+    stages: list[StageName] = Field(min_length=1)
+    """Models this server hosts."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment for this server (e.g. ``CUDA_VISIBLE_DEVICES``, thread counts)."""
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def ports(self) -> tuple[int, int, int]:
+        return (self.http_port, self.grpc_port, self.metrics_port)
+
+
+class TransferSpec(_Spec):
+    """How embeddings travel from the encoder to prefill."""
+
+    kind: TransferKind = "nixl"
+    """``nixl``: metadata-only handle, prefill pulls with a NIXL READ. ``inline``: bytes in
+    the request (A/B baseline)."""
+    pool_bytes: int = Field(default=64 << 20, gt=0)
+    """Size of the encoder's NIXL-registered DRAM pool, registered once at start."""
+    ttl_s: float = Field(default=60.0, gt=0)
+    """Seconds after which an encoder reclaims a slot nobody pulled."""
+
+
+class EncoderSpec(_Spec):
+    """The vision encoder stage."""
+
+    runtime: EncoderRuntimeKind = "onnxruntime"
+    """``onnxruntime`` on CPU (python backend); ``tensorrt`` builds a plan on GPU machines."""
+    threads: int = Field(default=1, ge=1)
+    """Intra-op threads of the ONNX Runtime session."""
+
+
+class LLMSpec(_Spec):
+    """vLLM engine settings shared by prefill, decode and aggregated."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "block_size": 32,
+            "max_num_seqs": 16,
+            "seed": 0,
+        }
+    )
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` (role-specific ones are added)."""
+    kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
+    """Where NixlConnector stages KV: ``cpu`` here, ``cuda`` on GPU servers."""
+    kv_space_gib: int = Field(default=1, ge=1)
+    """``VLLM_CPU_KVCACHE_SPACE`` for CPU engines."""
+
+
+class Limits(_Spec):
+    """Limits enforced at the edge (the ``epd`` and ``aggregated`` models)."""
+
+    max_images_per_request: int = Field(default=2, ge=0)
+    """More images than this is ``INVALID_ARG`` (also vLLM's ``limit_mm_per_prompt``)."""
+    max_image_bytes: int = Field(default=20 << 20, gt=0)
+    """Encoded size cap of one image."""
+    stage_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one remote stage call; past it the request fails instead of hanging."""
+
+
+class Topology(_Spec):
+    """A whole deployment: servers, what each hosts, and the knobs of every stage."""
+
+    model: Path
+    """Directory of the HF-format VLM (``epd model build`` makes the tiny one)."""
+    servers: dict[str, ServerSpec] = Field(min_length=1)
+    """Servers by name."""
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
+    encoder: EncoderSpec = Field(default_factory=EncoderSpec)
+    llm: LLMSpec = Field(default_factory=LLMSpec)
+    limits: Limits = Field(default_factory=Limits)
+
+    @model_validator(mode="after")
+    def _check(self) -> Topology:
+        problems: list[str] = []
+        hosting: dict[str, list[str]] = {}
+        for name, server in self.servers.items():
+            for stage in server.stages:
+                hosting.setdefault(stage, []).append(name)
+        if not hosting.keys() & {"epd", "aggregated"}:
+            problems.append("no server hosts an entry point: add 'epd' or 'aggregated'")
+        required = ("encode", "prefill", "decode", "epd") if "epd" in hosting else ()
+        for stage in required:
+            owners = hosting.get(stage, [])
+            if not owners:
+                problems.append(f"'epd' needs stage {stage!r}, which no server hosts")
+            elif len(owners) > 1:
+                problems.append(f"stage {stage!r} is hosted by {owners}; use one server")
+        seen: dict[tuple[str, int], str] = {}
+        for name, server in self.servers.items():
+            if len(set(server.ports)) != 3:
+                problems.append(f"server {name!r} uses one port twice: {server.ports}")
+            for port in set(server.ports):
+                other = seen.setdefault((server.host, port), name)
+                if other != name:
+                    problems.append(f"servers {other!r} and {name!r} both use {server.host}:{port}")
+        if problems:
+            raise ValueError("invalid topology: " + "; ".join(problems))
+        return self
+
+    def server_of(self, stage: StageName) -> tuple[str, ServerSpec]:
+        """The (name, spec) of the server hosting ``stage``."""
+        for name, server in self.servers.items():
+            if stage in server.stages:
+                return name, server
+        raise KeyError(f"no server hosts stage {stage!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Topology:
+        """Read a YAML topology; relative ``model`` paths resolve against the file's folder."""
+        path = Path(path)
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict) and "model" in data:
+            model = Path(str(data["model"])).expanduser()
+            data["model"] = model if model.is_absolute() else (path.parent / model).resolve()
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+def default_topology(model: Path) -> Topology:
+    """The embedded CPU default: encoder, prefill and decode+front as three local servers.
+
+    The front keeps Triton's default ports 8000/8001/8002 so stock clients just work.
+    """
+    return Topology(
+        model=model,
+        servers={
+            "encoder": ServerSpec(
+                http_port=8100, grpc_port=8101, metrics_port=8102, stages=["encode"]
+            ),
+            "prefill": ServerSpec(
+                http_port=8200, grpc_port=8201, metrics_port=8202, stages=["prefill"]
+            ),
+            "front": ServerSpec(
+                http_port=8000,
+                grpc_port=8001,
+                metrics_port=8002,
+                stages=["decode", "epd", "aggregated"],
+            ),
+        },
+    )

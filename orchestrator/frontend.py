@@ -1,0 +1,130 @@
+"""The public request interface shared by ``epd`` and ``aggregated``.
+
+Inputs follow Triton's vllm_backend conventions: ``text_input`` BYTES [1], ``image`` BYTES
+[-1] (encoded images, raw or base64), ``sampling_parameters`` BYTES [1] (JSON), ``stream``
+BOOL [1]; output ``text_output`` BYTES [1]. Everything here is validated before any stage
+does work, so bad input costs nothing and gets a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.config import Limits, Topology
+from orchestrator.protocol import InvalidRequest, SamplingOptions
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class FrontRequest:
+    text: str
+    images: list[bytes]
+    sampling: SamplingOptions
+    stream: bool
+
+
+def _scalar_bytes(inputs: Tensors, name: str) -> bytes | None:
+    if name not in inputs:
+        return None
+    values = inputs[name].reshape(-1)
+    if values.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one element, got {values.size}")
+    value = values[0]
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
+    """Validate the public inputs; raise ``InvalidRequest`` naming what is wrong."""
+    raw_text = _scalar_bytes(inputs, "text_input")
+    if raw_text is None:
+        raise InvalidRequest("text_input is required")
+    try:
+        text = raw_text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("text_input is not valid UTF-8") from None
+    if not text.strip():
+        raise InvalidRequest("text_input is empty")
+
+    images: list[bytes] = []
+    if "image" in inputs:
+        for i, item in enumerate(inputs["image"].reshape(-1)):
+            data = item if isinstance(item, bytes) else str(item).encode()
+            if not data:
+                raise InvalidRequest(f"image {i} is empty")
+            if len(data) > limits.max_image_bytes:
+                raise InvalidRequest(
+                    f"image {i} is {len(data)} bytes; the limit is {limits.max_image_bytes}"
+                )
+            images.append(data)
+    if len(images) > limits.max_images_per_request:
+        raise InvalidRequest(
+            f"{len(images)} images sent; this deployment accepts at most "
+            f"{limits.max_images_per_request} per request"
+        )
+
+    sampling = SamplingOptions.parse(_scalar_bytes(inputs, "sampling_parameters"))
+    stream = False
+    if "stream" in inputs:
+        flags = inputs["stream"].reshape(-1)
+        if flags.size != 1:
+            raise InvalidRequest("stream must hold exactly one element")
+        stream = bool(flags[0])
+    return FrontRequest(text=text, images=images, sampling=sampling, stream=stream)
+
+
+class PromptBuilder:
+    """Applies the model's own chat template with one image slot per image."""
+
+    def __init__(self, model_dir: Path, max_model_len: int, spatial_merge_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.max_model_len = max_model_len
+        self.merge_area = spatial_merge_size**2
+
+    @classmethod
+    def for_topology(cls, topology: Topology) -> PromptBuilder:
+        config = json.loads((topology.model / "config.json").read_text())
+        return cls(
+            topology.model,
+            max_model_len=int(topology.llm.engine_args["max_model_len"]),
+            spatial_merge_size=int(config["vision_config"]["spatial_merge_size"]),
+        )
+
+    def build(self, text: str, num_images: int) -> str:
+        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+
+    def check_budget(self, prompt: str, grids: list[tuple[int, int, int]], max_tokens: int) -> int:
+        """Prompt length once image slots expand; ``InvalidRequest`` if it cannot fit."""
+        text_tokens = len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        image_tokens = sum(t * h * w // self.merge_area for t, h, w in grids)
+        total = text_tokens - len(grids) + image_tokens
+        if total + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({total} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        return total
+
+
+def text_tensor(text: str) -> Tensors:
+    return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+
+
+async def text_responses(deltas: AsyncIterator[str], stream: bool) -> AsyncIterator[Tensors]:
+    """One response per delta when streaming, else a single response with the whole text."""
+    if stream:
+        async for delta in deltas:
+            if delta:
+                yield text_tensor(delta)
+        return
+    yield text_tensor("".join([d async for d in deltas]))

@@ -1,0 +1,127 @@
+"""vLLM hosted inside a Triton python model: one class for prefill, decode and aggregated.
+
+The three roles differ only by configuration (KV role, whether images arrive as pixels,
+as pulled embeddings, or as grid-only metadata), so they share this one engine host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import numpy as np
+
+from orchestrator.config import Topology
+from orchestrator.protocol import InvalidRequest, SamplingOptions
+
+LLMRole = Literal["prefill", "decode", "aggregated"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def engine_args(topology: Topology, role: LLMRole) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keywords for ``role``: shared settings + what the role needs."""
+    llm = topology.llm
+    args: dict[str, Any] = {
+        **llm.engine_args,
+        "model": str(topology.model),
+        "limit_mm_per_prompt": {"image": topology.limits.max_images_per_request, "video": 0},
+    }
+    if role == "prefill":
+        args["enable_mm_embeds"] = True
+    if role in ("prefill", "decode"):
+        args["kv_transfer_config"] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": llm.kv_buffer_device,
+        }
+    return args
+
+
+def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]:
+    """Process environment the engine reads at start (set before vLLM is imported)."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(topology.llm.kv_space_gib),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if role in ("prefill", "decode"):
+        host = topology.servers[server].host
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port(host))
+    return env
+
+
+def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs: dict[str, Any] = dict(
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k if opts.top_k > 0 else 0,
+        seed=opts.seed,
+        stop=opts.stop or None,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    kwargs.update(overrides)
+    return SamplingParams(**kwargs)
+
+
+class LLMEngine:
+    """An ``AsyncLLM`` for one role; must be created and used on one asyncio loop."""
+
+    def __init__(self, topology: Topology, server: str, role: LLMRole) -> None:
+        os.environ.update(engine_env(topology, server, role))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.role = role
+        self.max_model_len = int(topology.llm.engine_args.get("max_model_len", 0)) or None
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(topology, role)))
+
+    async def generate(
+        self,
+        prompt: str,
+        images: dict[str, Any] | None,
+        sampling,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Any]:
+        """Yield vLLM ``RequestOutput`` deltas; vLLM's input errors become ``InvalidRequest``."""
+        inputs: dict[str, Any] = {"prompt": prompt}
+        if images:
+            inputs["multi_modal_data"] = {"image": images}
+        rid = request_id or uuid.uuid4().hex
+        try:
+            async for out in self.engine.generate(inputs, sampling, rid):
+                yield out
+        except ValueError as exc:  # vLLM's input validation (length, mm limits)
+            raise InvalidRequest(str(exc)) from None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def image_input(
+    grids: list[tuple[int, int, int]], embeds: list[np.ndarray] | None = None
+) -> dict[str, Any]:
+    """vLLM's dict image input: all images' embeddings concatenated, one grid row per image.
+
+    Without ``embeds`` it is the metadata-only form a KV consumer (decode) accepts: the grid
+    alone sizes the placeholders and the mRoPE positions; the KV arrives over NIXL.
+    """
+    import torch
+
+    data: dict[str, Any] = {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+    if embeds is not None:
+        data["image_embeds"] = torch.from_numpy(np.concatenate(embeds, axis=0))
+    return data

@@ -1,0 +1,191 @@
+"""Wire types exchanged between the stages (encoder -> prefill -> decode -> client).
+
+Everything that crosses a process boundary is one of these pydantic models, serialised
+as JSON inside a Triton BYTES tensor. Tensors themselves never ride this path except in
+the ``inline`` transport, which exists for A/B comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NixlLocation(_Wire):
+    """Where a NIXL consumer reads an embedding from (a region of the producer's pool)."""
+
+    kind: Literal["nixl"] = "nixl"
+    agent: str
+    """NIXL agent name of the producer (unique per encoder process)."""
+    metadata_addr: str
+    """``host:port`` of the producer's side channel that serves its NIXL agent metadata."""
+    addr: int
+    """Start address of the region in the producer's registered DRAM pool."""
+    length: int
+    """Bytes of the region: header + payload + trailer (see ``orchestrator.transfer.nixl``)."""
+    nonce: str
+    """Hex token written around the payload; a mismatch means the slot was freed or reused."""
+
+
+class InlinePayload(_Wire):
+    """The embedding bytes themselves (base64), for the inline A/B transport."""
+
+    kind: Literal["inline"] = "inline"
+    data_b64: str
+
+
+class EmbeddingHandle(_Wire):
+    """Metadata-only reference to one image's vision embeddings held by an encoder."""
+
+    handle_id: str
+    """Unique id of this handle (also the NIXL notification that releases it)."""
+    location: Annotated[NixlLocation | InlinePayload, Field(discriminator="kind")]
+    shape: tuple[int, int]
+    """(num_image_tokens, hidden_size) of the embeddings."""
+    dtype: Literal["float32", "float16", "bfloat16"]
+    image_grid_thw: tuple[int, int, int]
+    """(t, h, w) patch grid before the 2x2 merge; vLLM needs it for mRoPE positions."""
+    content_hash: str
+    """Hash of decoded pixels + preprocessing parameters + encoder identity."""
+    expires_at: float
+    """Unix time after which the producer may reclaim the slot if nobody pulled it."""
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires_at
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = 2 if self.dtype in ("float16", "bfloat16") else 4
+        return self.shape[0] * self.shape[1] * itemsize
+
+
+class EncodeResult(_Wire):
+    """What the ``encode`` model answers: one handle per image, in request order."""
+
+    handles: list[EmbeddingHandle]
+
+
+class PrefillResult(_Wire):
+    """What the ``prefill`` model answers: vLLM's params that let decode pull the KV."""
+
+    kv_transfer_params: dict | None
+    """Returned by the NixlConnector producer; ``None`` when KV transfer is off."""
+    num_prompt_tokens: int
+
+
+class SamplingOptions(_Wire):
+    """User-facing sampling parameters (the ``sampling_parameters`` JSON input)."""
+
+    max_tokens: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    """0 or -1 disable top-k."""
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+
+    @classmethod
+    def parse(cls, raw: str | bytes | None) -> SamplingOptions:
+        """Parse the JSON input; raise ``InvalidRequest`` naming the bad field."""
+        if raw is None or (isinstance(raw, bytes | str) and not raw.strip()):
+            return cls()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequest("sampling_parameters must be a JSON object")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            errs = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidRequest(f"invalid sampling_parameters: {errs}") from None
+
+
+class PrefillRequest(_Wire):
+    """Front -> prefill: the templated prompt and where its image embeddings are."""
+
+    request_id: str
+    prompt: str
+    handles: list[EmbeddingHandle] = Field(default_factory=list)
+
+
+class DecodeRequest(_Wire):
+    """Front -> decode: prompt, grids only (for mRoPE positions) and the KV to pull."""
+
+    request_id: str
+    prompt: str
+    image_grid_thw: list[tuple[int, int, int]] = Field(default_factory=list)
+    sampling: SamplingOptions
+    kv_transfer_params: dict | None = None
+
+
+class StageError(RuntimeError):
+    """An error that maps onto a Triton error code at the model boundary."""
+
+    code = "INTERNAL"
+
+
+class InvalidRequest(StageError):
+    """The client sent something wrong (Triton ``INVALID_ARG``); the server is fine."""
+
+    code = "INVALID_ARG"
+
+
+class Unavailable(StageError):
+    """A stage or resource is unavailable right now (Triton ``UNAVAILABLE``); retry later."""
+
+    code = "UNAVAILABLE"
+
+
+class TransferError(Unavailable):
+    """A handle could not be resolved (unknown, released, expired, or its host is gone)."""
+
+
+_ERROR_TYPES: dict[str, type[StageError]] = {
+    cls.code: cls for cls in (StageError, InvalidRequest, Unavailable)
+}
+
+
+def error_message(exc: StageError) -> str:
+    """The text a stage sends: ``CODE: message``, so the code survives gRPC streams
+    (whose responses carry only an error string)."""
+    return f"{exc.code}: {exc}"
+
+
+def error_from_message(message: str) -> StageError:
+    """Rebuild the ``StageError`` a remote stage raised from its ``CODE: message`` text."""
+    code, sep, text = message.partition(": ")
+    if sep and code in _ERROR_TYPES:
+        return _ERROR_TYPES[code](text)
+    return StageError(message)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def to_tensor(name: str, message: BaseModel) -> dict[str, np.ndarray]:
+    """A wire message as the one-element BYTES tensor that carries it between stages."""
+    return {name: np.array([message.model_dump_json().encode()], dtype=np.object_)}
+
+
+def from_tensor(tensors: dict[str, np.ndarray], name: str, model: type[M]) -> M:
+    """Parse the wire message in tensor ``name``; a malformed one is ``InvalidRequest``."""
+    if name not in tensors or tensors[name].size != 1:
+        raise InvalidRequest(f"input {name!r} must hold one JSON message")
+    try:
+        return model.model_validate_json(tensors[name].reshape(-1)[0])
+    except ValueError as exc:
+        raise InvalidRequest(f"malformed {name!r}: {exc}") from None

@@ -1,0 +1,172 @@
+"""Calling another stage: BLS when it lives in this Triton server, gRPC when it does not.
+
+Both speak the same language -- a dict of numpy tensors in, an async stream of dicts out --
+so the pipeline never knows where a stage runs. Every stage model is decoupled, so a
+remote call is one request on a gRPC bidirectional stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from orchestrator.protocol import StageError, Unavailable, error_from_message
+
+Tensors = dict[str, np.ndarray]
+
+_TRITON_DTYPES = {
+    np.dtype(np.object_): "BYTES",
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.float16): "FP16",
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.int64): "INT64",
+}
+
+
+def triton_dtype(array: np.ndarray) -> str:
+    try:
+        return _TRITON_DTYPES[array.dtype]
+    except KeyError:
+        raise TypeError(f"no Triton dtype for numpy {array.dtype}") from None
+
+
+class StageClient(ABC):
+    """Calls one decoupled model and yields its responses' output tensors."""
+
+    @abstractmethod
+    def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]: ...
+
+    async def call_one(self, model: str, inputs: Tensors, outputs: list[str]) -> Tensors:
+        """A call whose model answers exactly one response."""
+        result: Tensors | None = None
+        async for response in self.call(model, inputs, outputs):
+            if result is not None:
+                raise StageError(f"{model} answered more than one response")
+            result = response
+        if result is None:
+            raise StageError(f"{model} answered no response")
+        return result
+
+    async def close(self) -> None:
+        return None
+
+
+_DONE = object()
+
+
+class BlsStageClient(StageClient):
+    """In-process call through Triton's BLS API.
+
+    The BLS response iterator blocks, so it is drained on a worker thread and handed to the
+    caller's loop through a queue (iterating it on an event loop would stall every stream).
+    """
+
+    def __init__(self, pb_utils: Any, timeout_s: float) -> None:
+        self._pb = pb_utils
+        self._timeout_ms = int(timeout_s * 1000)
+
+    async def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]:
+        pb = self._pb
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request = pb.InferenceRequest(
+            model_name=model,
+            inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
+            requested_output_names=outputs,
+            timeout=self._timeout_ms * 1000,  # microseconds
+        )
+
+        def drain() -> None:
+            try:
+                for response in request.exec(decoupled=True):
+                    if response.has_error():
+                        item: Any = error_from_message(response.error().message())
+                    else:
+                        tensors = response.output_tensors()
+                        if not tensors:  # the empty final response
+                            continue
+                        item = {t.name(): t.as_numpy() for t in tensors}
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(queue.put_nowait, StageError(f"{model}: {exc}"))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+        threading.Thread(target=drain, name=f"bls-{model}", daemon=True).start()
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def infer(self, model: str, inputs: Tensors, outputs: list[str]) -> Tensors:
+        """Unary BLS call of a non-decoupled model (e.g. a TensorRT ``vision_encoder``)."""
+        pb = self._pb
+        request = pb.InferenceRequest(
+            model_name=model,
+            inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
+            requested_output_names=outputs,
+            timeout=self._timeout_ms * 1000,
+        )
+        response = await asyncio.get_running_loop().run_in_executor(None, request.exec)
+        if response.has_error():
+            raise error_from_message(f"{model}: {response.error().message()}")
+        return {t.name(): t.as_numpy() for t in response.output_tensors()}
+
+
+class GrpcStageClient(StageClient):
+    """Remote call over tritonclient's asyncio gRPC stream, with a deadline.
+
+    The aio client cannot ask for Triton's empty final response, so a request that ends
+    with a data-less final flag is finished when the server closes the stream (it does so
+    once our single request is complete and we have half-closed).
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._mod = grpcclient
+        self._url = url
+        self._timeout_s = timeout_s
+        self._client = grpcclient.InferenceServerClient(url)
+
+    async def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]:
+        mod = self._mod
+        infer_inputs = []
+        for name, value in inputs.items():
+            tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
+            tensor.set_data_from_numpy(value)
+            infer_inputs.append(tensor)
+        request = {
+            "model_name": model,
+            "inputs": infer_inputs,
+            "outputs": [mod.InferRequestedOutput(n) for n in outputs],
+            "request_id": uuid.uuid4().hex,
+        }
+
+        async def requests():
+            yield request
+
+        try:
+            stream = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
+            async for result, error in stream:
+                if error is not None:
+                    raise error_from_message(error.message())
+                response = result.get_response()
+                if response.outputs:
+                    yield {o.name: result.as_numpy(o.name) for o in response.outputs}
+                if response.parameters["triton_final_response"].bool_param:
+                    return
+        except StageError:
+            raise
+        except Exception as exc:  # grpc errors: unreachable, deadline, reset
+            raise Unavailable(f"{model} at {self._url} failed: {exc}") from None
+
+    async def close(self) -> None:
+        await self._client.close()

@@ -1,0 +1,110 @@
+"""Bring up every server of a topology, wait for all to be ready, take them all down.
+
+Used by ``epd serve`` and by the integration tests, so what the tests run is what users run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from orchestrator.config import Topology
+from orchestrator.triton.repository import render
+from orchestrator.triton.server import TritonServer
+
+
+class DeploymentBusy(RuntimeError):
+    """Another deployment holds the work directory or a port this one needs."""
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class Deployment:
+    """The Triton servers of one topology, rendered under ``workdir``."""
+
+    def __init__(self, topology: Topology, workdir: Path) -> None:
+        self.topology = topology
+        self.workdir = workdir.resolve()
+        self.servers: dict[str, TritonServer] = {}
+        self._lock: int | None = None
+
+    def _acquire(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.workdir / "serve.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DeploymentBusy(
+                f"another `epd serve` (pid {owner}) is running from {self.workdir}; "
+                "stop it first (Ctrl-C) or use another --workdir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock = fd
+        busy = [
+            f"{name} {spec.host}:{port}"
+            for name, spec in self.topology.servers.items()
+            for port in spec.ports
+            if _port_in_use(spec.host, port)
+        ]
+        if busy:
+            self._release()
+            raise DeploymentBusy(f"ports already in use: {', '.join(busy)}")
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def start(self, timeout_s: float = 300) -> None:
+        """Render, start all servers at once (vLLM engines build in parallel), wait ready."""
+        self._acquire()
+        try:
+            repos = render(self.topology, self.workdir / "repos")
+            for name, spec in self.topology.servers.items():
+                server = TritonServer(
+                    model_repository=repos[name],
+                    host=spec.host,
+                    http_port=spec.http_port,
+                    grpc_port=spec.grpc_port,
+                    metrics_port=spec.metrics_port,
+                    log_path=self.workdir / "logs" / f"{name}.log",
+                    env=spec.env,
+                )
+                self.servers[name] = server
+                server.start()
+            for server in self.servers.values():
+                server.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop all servers in parallel (each may wait out Triton's exit timeout)."""
+        with ThreadPoolExecutor(max(1, len(self.servers))) as pool:
+            list(pool.map(TritonServer.stop, self.servers.values()))
+        self.servers.clear()
+        self._release()
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 300) -> Iterator[Deployment]:
+        self.start(timeout_s)
+        try:
+            yield self
+        finally:
+            self.stop()
