@@ -1,0 +1,26 @@
+"""Embedding handoff from the encoder (producer) to prefill (consumer).
+
+Import from here; the transports themselves (``nixl``, ``inline``) load on first use.
+"""
+
+from orchestrator.transfer.base import (
+    ConsumerConfig,
+    EmbeddingConsumer,
+    EmbeddingProducer,
+    PoolFullError,
+    ProducerConfig,
+    ProducerStats,
+    make_consumer,
+    make_producer,
+)
+
+__all__ = [
+    "ConsumerConfig",
+    "EmbeddingConsumer",
+    "EmbeddingProducer",
+    "PoolFullError",
+    "ProducerConfig",
+    "ProducerStats",
+    "make_consumer",
+    "make_producer",
+]

@@ -1,0 +1,300 @@
+"""Embedding handoff across real processes: producer and consumer each run
+``transfer_peer.py`` (NIXL is not fork-safe, and this keeps NIXL out of pytest itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+PEER = Path(__file__).with_name("transfer_peer.py")
+KINDS = ["nixl", "inline"]
+MIB = 1 << 20
+
+
+class Peer:
+    """A ``transfer_peer.py`` process driven over stdin/stdout, every wait bounded."""
+
+    def __init__(self, role: str, kind: str, env: dict[str, str] | None = None, **cfg) -> None:
+        self.role = role
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), role, kind, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env={**os.environ, "UCX_MODULES": "^ib", **(env or {})},
+            start_new_session=True,
+        )
+        self._buf = bytearray()
+        self._reply(timeout=60)  # ready
+
+    def request(self, op: str, timeout: float = 60, **args) -> dict:
+        self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._reply(timeout)
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                end = self._buf.find(b"\n")
+                if end >= 0:
+                    line = bytes(self._buf[:end])
+                    del self._buf[: end + 1]
+                    if line.startswith(b"@@ "):
+                        return json.loads(line[3:])
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sel.select(remaining):
+                    self.fail(f"no reply within {timeout}s")
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    self.fail(f"exited with {self.proc.wait(5)}")
+                self._buf += chunk
+
+    def fail(self, why: str) -> None:
+        self.kill()
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-4000:].decode(errors="replace")
+        pytest.fail(f"{self.role} peer {why}; stderr tail:\n{tail}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        """Ask for an orderly close; NIXL may still crash in teardown at exit, so no rc check."""
+        if self.proc.poll() is None:
+            try:
+                self.request("close", timeout=20)
+            finally:
+                self.kill()
+
+    # Shortcuts for the commands of transfer_peer.py.
+
+    def put(self, shapes, dtype="float32", threads=1, seed=0) -> list[dict]:
+        specs = [
+            {"seed": seed + i, "rows": r, "cols": c, "dtype": dtype}
+            for i, (r, c) in enumerate(shapes)
+        ]
+        return self.request("put", specs=specs, threads=threads)["results"]
+
+    def fetch(self, handles, threads=1, timeout=60) -> list[dict]:
+        return self.request("fetch", handles=handles, threads=threads, timeout=timeout)["results"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def producer(kind):
+    peer = Peer("producer", kind, pool_bytes=128 * MIB)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def consumer(kind):
+    peer = Peer("consumer", kind, xfer_timeout_s=5)
+    yield peer
+    peer.close()
+
+
+def wait_all_free(producer: Peer, timeout: float = 5) -> dict:
+    """Slots free asynchronously (on the READ's notification): poll the stats, bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = producer.request("stats")
+        if stats["slots_in_use"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def assert_fetched(puts: list[dict], fetched: list[dict]) -> None:
+    for put, got in zip(puts, fetched, strict=True):
+        assert "handle" in put, put
+        assert "error" not in got, got["error"]
+        assert got["sha256"] == put["sha256"]
+        assert tuple(got["shape"]) == tuple(put["handle"]["shape"])
+        assert got["dtype"] == put["handle"]["dtype"]
+
+
+def test_inline_does_not_import_nixl():
+    code = (
+        "import sys, numpy as np; from orchestrator.transfer import make_producer as m;"
+        "m('inline').put(np.zeros((2, 2), 'float32'), image_grid_thw=(1, 2, 2), content_hash='');"
+        "assert not [n for n in sys.modules if 'nixl' in n]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(180)
+def test_round_trip_is_byte_exact(producer, consumer):
+    # 1 KiB, 64 KiB, 1 MiB, 16 MiB of float32, plus odd shapes.
+    shapes = [(1, 256), (16, 1024), (256, 1024), (4096, 1024), (7, 3), (1000, 1536)]
+    puts = producer.put(shapes)
+    fetched = consumer.fetch([p["handle"] for p in puts])
+    assert_fetched(puts, fetched)
+    for dtype in ("float16", "bfloat16"):
+        puts = producer.put([(64, 128), (3, 5)], dtype=dtype, seed=100)
+        assert_fetched(puts, consumer.fetch([p["handle"] for p in puts]))
+    stats = wait_all_free(producer)
+    assert stats["slots_in_use"] == 0 and stats["bytes_in_use"] == 0
+
+
+@pytest.mark.server
+@pytest.mark.timeout(180)
+def test_concurrent_batch_returns_pool_to_all_free(kind, producer, consumer):
+    puts = producer.put([(16 + 16 * i, 256) for i in range(48)], threads=4, seed=1000)
+    assert_fetched(puts, consumer.fetch([p["handle"] for p in puts], threads=4))
+    stats = wait_all_free(producer)
+    if kind == "nixl":
+        assert stats["slots_in_use"] == 0
+        assert stats["bytes_free"] == stats["pool_bytes"]
+        assert stats["largest_free"] > stats["pool_bytes"] - 64
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["nixl"], indirect=True)  # inline handles carry their bytes
+def test_fetched_or_released_handle_is_unknown(kind, producer, consumer):
+    [first] = producer.put([(8, 64)], seed=2000)
+    assert_fetched([first], consumer.fetch([first["handle"]]))
+    assert wait_all_free(producer)["slots_in_use"] == 0  # the READ's notification freed it
+    [second] = producer.put([(8, 64)], seed=2001)
+    [again] = consumer.fetch([first["handle"]])
+    assert "unknown or was released" in again["error"]
+    assert producer.request("release", handle_id=second["handle"]["handle_id"])["released"]
+    [released] = consumer.fetch([second["handle"]])
+    assert "unknown or was released" in released["error"]
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_handle_of_other_transport_is_refused(kind, consumer):
+    other = "inline" if kind == "nixl" else "nixl"
+    peer = Peer("producer", other, pool_bytes=MIB)
+    try:
+        [put] = peer.put([(2, 2)])
+        [got] = consumer.fetch([put["handle"]])
+        assert f"is a {other} handle, this consumer is {kind}" in got["error"]
+    finally:
+        peer.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_expired_handle_is_refused_and_reclaimed(kind, consumer):
+    peer = Peer("producer", kind, ttl_s=0.3, reclaim_grace_s=0.2, pool_bytes=MIB)
+    try:
+        [put] = peer.put([(16, 64)])
+        time.sleep(0.4)
+        [got] = consumer.fetch([put["handle"]])
+        assert "expired" in got["error"]
+        if kind == "nixl":
+            stats = wait_all_free(peer)
+            assert (stats["slots_in_use"], stats["reclaimed_expired"]) == (0, 1)
+    finally:
+        peer.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_full_pool_fails_put_clearly():
+    peer = Peer("producer", "nixl", pool_bytes=MIB, block_bytes=64 << 10)
+    try:
+        puts = peer.put([(256, 256)] * 2)  # 256 KiB + framing = 5 blocks each
+        assert all("handle" in p for p in puts)
+        puts = peer.put([(256, 256)] * 2, seed=10)
+        assert "handle" in puts[0]
+        assert "embedding pool full" in puts[1]["error"]
+        assert "3 handles not yet fetched" in puts[1]["error"]
+    finally:
+        peer.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_dead_producer_fails_fast():
+    producer = Peer("producer", "nixl")
+    warm = Peer("consumer", "nixl", xfer_timeout_s=3, connect_timeout_s=2)
+    try:
+        first, second, third = producer.put([(64, 256)] * 3)
+        assert_fetched([first], warm.fetch([first["handle"]]))  # metadata now cached
+        producer.kill()
+        start = time.monotonic()
+        [got] = warm.fetch([second["handle"]], timeout=30)
+        assert "NIXL READ" in got["error"] and "producer dead or unreachable" in got["error"]
+        [got] = warm.fetch([third["handle"]], timeout=30)  # dials again: refused
+        assert "unreachable" in got["error"]
+        assert time.monotonic() - start < 10
+    finally:
+        producer.kill()
+        warm.close()
+    cold = Peer("consumer", "nixl", connect_timeout_s=2)
+    try:
+        [got] = cold.fetch([third["handle"]], timeout=30)
+        assert "unreachable at" in got["error"] and "refused" in got["error"]
+    finally:
+        cold.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_stalled_producer_times_out_then_recovers():
+    # UCX's tcp transport (what a cross-host link without RDMA gets) needs the producer to
+    # progress, so a SIGSTOPped producer stalls the READ: the consumer must give up in time.
+    tcp = {"UCX_TLS": "tcp"}
+    producer = Peer("producer", "nixl", env=tcp)
+    consumer = Peer("consumer", "nixl", env=tcp, xfer_timeout_s=1, connect_timeout_s=1)
+    try:
+        first, second = producer.put([(1024, 1024)] * 2)
+        assert_fetched([first], consumer.fetch([first["handle"]]))
+        os.kill(producer.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        [got] = consumer.fetch([second["handle"]], timeout=30)
+        assert "timed out after 1.0s" in got["error"]
+        assert time.monotonic() - start < 5
+        os.kill(producer.proc.pid, signal.SIGCONT)
+        assert_fetched([second], consumer.fetch([second["handle"]]))
+        assert wait_all_free(producer)["slots_in_use"] == 0
+    finally:
+        producer.kill()
+        consumer.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_restarted_producer_does_not_serve_old_handles():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    old = Peer("producer", "nixl", port=port)
+    try:
+        [put] = old.put([(4, 4)])
+    finally:
+        old.kill()
+    new = Peer("producer", "nixl", port=port)
+    consumer = Peer("consumer", "nixl")
+    try:
+        [got] = consumer.fetch([put["handle"]])
+        assert "is gone" in got["error"] and "encoder restarted?" in got["error"]
+    finally:
+        new.close()
+        consumer.close()
