@@ -86,6 +86,9 @@ class LLMSpec(_Spec):
             "block_size": 32,
             "max_num_seqs": 16,
             "seed": 0,
+            # The HF fast (torchvision) image processor resizes slightly differently from
+            # the PIL one our encoder matches; pixel-input engines must use the same.
+            "mm_processor_kwargs": {"use_fast": False},
         }
     )
     """Keyword arguments of ``vllm.AsyncEngineArgs`` (role-specific ones are added)."""

@@ -41,12 +41,11 @@ class EncodeHandler:
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.encoder.preprocess import PreprocessConfig
-        from orchestrator.encoder.runtime import encoder_identity
         from orchestrator.transfer import make_producer
 
         topo = ctx.topology
         self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
-        self.encoder_id = encoder_identity(topo.model)
+        self.encoder_id = ctx.params["encoder_id"]
         self.bls = BlsStageClient(ctx.pb_utils, topo.limits.stage_timeout_s)
         self.producer = make_producer(
             topo.transfer.kind,
@@ -70,7 +69,7 @@ class EncodeHandler:
         return pixel_values, grid, content_hash(image, self.preprocess_config, self.encoder_id)
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
-        from orchestrator.encoder.runtime import encoder_inputs
+        from orchestrator.encoder.runtime import graph_inputs
 
         images = inputs["image"].reshape(-1)
         handles = []
@@ -80,9 +79,8 @@ class EncodeHandler:
                 pixel_values, grid, digest = await loop.run_in_executor(
                     None, self._prepare, i, bytes(data)
                 )
-                out = await self.bls.infer(
-                    "vision_encoder", encoder_inputs(pixel_values, grid), ["image_embeds"]
-                )
+                feeds = graph_inputs(pixel_values, grid, self.preprocess_config.merge_size)
+                out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"])
                 handles.append(
                     self.producer.put(out["image_embeds"], image_grid_thw=grid, content_hash=digest)
                 )

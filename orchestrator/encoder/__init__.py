@@ -1,0 +1,1 @@
+"""Vision encoder stage: preprocessing, ONNX export and inference runtimes."""

@@ -1,0 +1,1 @@
+"""Model checkpoints for tests and benchmarks."""
