@@ -108,7 +108,10 @@ class LLMEngine:
             raise InvalidRequest(str(exc)) from None
 
     def shutdown(self) -> None:
+        """Stop the EngineCore now, on the engine's loop; dropping the reference keeps
+        ``AsyncLLM.__del__`` from shutting down again during interpreter teardown."""
         self.engine.shutdown()
+        del self.engine
 
 
 def image_input(

@@ -33,9 +33,11 @@ def _parameters(params: dict[str, str]) -> str:
     )
 
 
-def vision_encoder_onnx(topology: Topology, cache_dir: Path) -> Path:
-    """The vision tower exported to ONNX, cached by the model's config and weights."""
-    from orchestrator.encoder.onnx_export import export_vision_encoder
+def vision_encoder_onnx(topology: Topology, cache_dir: Path) -> tuple[Path, str]:
+    """The vision tower exported to ONNX (cached by config + weights) and its encoder id."""
+    import onnx
+
+    from orchestrator.encoder.onnx_export import META_ENCODER_ID, export_vision_encoder
 
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
@@ -48,7 +50,26 @@ def vision_encoder_onnx(topology: Topology, cache_dir: Path) -> Path:
         tmp = out.with_suffix(".tmp.onnx")
         export_vision_encoder(topology.model, tmp)
         tmp.replace(out)
-    return out
+    meta = {p.key: p.value for p in onnx.load(out, load_external_data=False).metadata_props}
+    return out, meta[META_ENCODER_ID]
+
+
+def _vision_encoder(topology: Topology, model_dir: Path, out_dir: Path) -> dict[str, str]:
+    """Put the encoder artifact in place; return parameters for the server's models."""
+    onnx_path, encoder_id = vision_encoder_onnx(topology, out_dir / "artifacts")
+    if topology.encoder.runtime == "tensorrt":
+        # A plan is specific to the GPU that builds it: `epd encoder build --trt` makes it
+        # on the encoder host; here we only declare the TensorRT backend's config.
+        shutil.copyfile(
+            SOURCE / "vision_encoder" / "config.tensorrt.pbtxt", model_dir / "config.pbtxt"
+        )
+        (model_dir / "1" / "model.py").unlink()
+        plan = topology.model / "vision_encoder.plan"
+        if plan.exists():
+            shutil.copyfile(plan, model_dir / "1" / "model.plan")
+    else:
+        shutil.copyfile(onnx_path, model_dir / "1" / "model.onnx")
+    return {"encoder_id": encoder_id, "intra_op_threads": str(topology.encoder.threads)}
 
 
 def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
@@ -64,13 +85,15 @@ def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
             shutil.rmtree(repo)
         for stage in server.stages:
             for model in MODELS[stage]:
-                dest = repo / model
-                shutil.copytree(SOURCE / model, dest, ignore=shutil.ignore_patterns("__pycache__"))
-                config = dest / "config.pbtxt"
-                params = {"topology": str(topology_file), "server": name}
-                config.write_text(config.read_text() + _parameters(params))
+                shutil.copytree(
+                    SOURCE / model,
+                    repo / model,
+                    ignore=shutil.ignore_patterns("__pycache__", "config.*.pbtxt"),
+                )
+        params = {"topology": str(topology_file), "server": name}
         if "encode" in server.stages:
-            onnx = vision_encoder_onnx(topology, out_dir / "artifacts")
-            shutil.copyfile(onnx, repo / "vision_encoder" / "1" / "model.onnx")
+            params.update(_vision_encoder(topology, repo / "vision_encoder", out_dir))
+        for config in repo.glob("*/config.pbtxt"):
+            config.write_text(config.read_text() + _parameters(params))
         repos[name] = repo
     return repos

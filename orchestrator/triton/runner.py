@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import locale
 import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +45,8 @@ class ModelContext:
     model_name: str
     pb_utils: Any
     """The stub's ``triton_python_backend_utils`` (for BLS and metrics)."""
+    params: dict[str, str]
+    """All string parameters of the model's config.pbtxt (written by ``epd render``)."""
 
 
 def model_context(args: dict[str, Any], pb_utils: Any) -> ModelContext:
@@ -58,7 +61,7 @@ def model_context(args: dict[str, Any], pb_utils: Any) -> ModelContext:
             "render the repository with `epd render`"
         ) from None
     topology = Topology.model_validate_json(topology_path.read_text())
-    return ModelContext(topology, server, args["model_name"], pb_utils)
+    return ModelContext(topology, server, args["model_name"], pb_utils, params)
 
 
 class DecoupledModelRunner:
@@ -71,6 +74,9 @@ class DecoupledModelRunner:
         make_handler: Callable[[ModelContext], Awaitable[StageHandler]],
         start_timeout_s: float = 600,
     ) -> None:
+        # The stub embeds Python in an isolated config whose preferred encoding is ASCII;
+        # torch/vLLM read UTF-8 templates at import and die without this.
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         self._pb = pb_utils
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

@@ -1,0 +1,63 @@
+"""Fixtures shared by all tests: the tiny model, free ports, a running EPD deployment."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ServerSpec, Topology
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on loopback right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from orchestrator.model.tiny import build_model
+
+    return build_model(tmp_path_factory.mktemp("model") / "tiny", profile="tiny", seed=0)
+
+
+def local_topology(model: Path, layout: dict[str, list[str]], **settings) -> Topology:
+    """A topology with one loopback server per ``layout`` entry, on free ports."""
+    ports = iter(free_ports(3 * len(layout)))
+    servers = {
+        name: ServerSpec(
+            http_port=next(ports), grpc_port=next(ports), metrics_port=next(ports), stages=stages
+        )
+        for name, stages in layout.items()
+    }
+    return Topology(model=model, servers=servers, **settings)
+
+
+EPD_LAYOUT = {
+    "encoder": ["encode"],
+    "prefill": ["prefill"],
+    "front": ["decode", "epd", "aggregated"],
+}
+"""The embedded default's shape: three servers, as `epd serve` runs them."""
+
+
+@pytest.fixture(scope="session")
+def epd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    """The three-server EPD deployment, started once for the session and always stopped."""
+    from orchestrator.triton.deployment import Deployment
+
+    topology = local_topology(tiny_model, EPD_LAYOUT)
+    deployment = Deployment(topology, tmp_path_factory.mktemp("epd"))
+    with deployment.running(timeout_s=600):
+        yield topology

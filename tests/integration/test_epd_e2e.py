@@ -1,0 +1,173 @@
+"""The whole EPD stack for real: three Triton servers, three vLLM engines, NIXL for
+embeddings and KV. Greedy output must equal plain offline vLLM, token for token."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from orchestrator.client import generate_body, sample_photo, stream
+from orchestrator.config import Topology
+
+pytestmark = pytest.mark.server
+
+MAX_TOKENS = 16
+
+
+def _png(name: str) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(sample_photo(name))).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+CASES = {
+    "astronaut": ("Describe this image.", [sample_photo("astronaut")]),
+    "coffee_png": ("What is in the cup?", [_png("coffee")]),
+    "chelsea": ("What animal is this?", [sample_photo("chelsea")]),
+    "text_only": ("Tell me a story about a robot.", []),
+    "two_images": ("Compare these two pictures.", [sample_photo("astronaut"), _png("coffee")]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(epd_stack: Topology, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Offline ``vllm.LLM.generate`` texts for every case, computed in a subprocess."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "topology.json").write_text(epd_stack.model_dump_json())
+    cases = {
+        name: {
+            "text": text,
+            "images": [base64.b64encode(i).decode() for i in images],
+            "max_tokens": MAX_TOKENS,
+        }
+        for name, (text, images) in CASES.items()
+    }
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("offline_reference.py")),
+            str(tmp / "topology.json"),
+            str(tmp / "cases.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
+    assert lines, f"offline reference failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    texts = json.loads(lines[-1].removeprefix("REFERENCE "))
+    assert all(texts.values()), f"offline vLLM produced empty text: {texts}"
+    return texts
+
+
+def _front(topology: Topology):
+    return topology.server_of("epd")[1]
+
+
+def _http_generate(
+    topology: Topology, model: str, text: str, images: list[bytes], stream: bool = False
+) -> str:
+    body = generate_body(text, images, {"max_tokens": MAX_TOKENS, "temperature": 0})
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(
+        f"http://{_front(topology).http_url}/v2/models/{model}/{endpoint}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        raw = response.read().decode()
+    if not stream:
+        return json.loads(raw)["text_output"]
+    events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+    assert len(events) >= 1
+    assert all("error" not in e for e in events), events
+    return "".join(e["text_output"] for e in events)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("model", ["epd", "aggregated"])
+def test_grpc_stream_matches_offline_vllm(epd_stack, reference, model, case):
+    text, images = CASES[case]
+    pieces = stream(
+        _front(epd_stack).grpc_url,
+        model,
+        text,
+        images,
+        {"max_tokens": MAX_TOKENS, "temperature": 0},
+    )
+    assert len(pieces) > 1, "streaming should deliver text in several responses"
+    assert "".join(pieces) == reference[case]
+
+
+@pytest.mark.parametrize("case", ["astronaut", "text_only", "two_images"])
+def test_http_generate_matches_offline_vllm(epd_stack, reference, case):
+    text, images = CASES[case]
+    assert _http_generate(epd_stack, "epd", text, images) == reference[case]
+
+
+@pytest.mark.parametrize("case", ["chelsea", "text_only"])
+def test_http_generate_stream_matches_offline_vllm(epd_stack, reference, case):
+    text, images = CASES[case]
+    assert _http_generate(epd_stack, "epd", text, images, stream=True) == reference[case]
+
+
+def test_reference_is_not_trivial(reference):
+    """Different prompts give different greedy text: the comparison can actually fail."""
+    assert len(set(reference.values())) == len(reference)
+
+
+def _raw_generate(topology: Topology, model: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(
+        f"http://{_front(topology).http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+_JPEG = sample_photo("astronaut")
+BAD_INPUTS = {
+    "corrupt_image": ({"image": [base64.b64encode(_JPEG[: len(_JPEG) // 3]).decode()]}, "image 0"),
+    "not_an_image": ({"image": [base64.b64encode(b"hello, not a picture").decode()]}, "image 0"),
+    "empty_text": ({"text_input": "   "}, "text_input is empty"),
+    "missing_text": ({"text_input": None}, "text_input"),
+    "bad_json": ({"sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
+    "zero_max_tokens": ({"sampling_parameters": json.dumps({"max_tokens": 0})}, "max_tokens"),
+    "huge_max_tokens": (
+        {"sampling_parameters": json.dumps({"max_tokens": 100000})},
+        "exceeds the model's context",
+    ),
+    "too_many_images": ({"image": [base64.b64encode(_JPEG).decode()] * 3}, "at most 2"),
+}
+
+
+@pytest.mark.parametrize("model", ["epd", "aggregated"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_arg_and_server_stays_up(epd_stack, model, case):
+    patch, expected = BAD_INPUTS[case]
+    body = {"text_input": "Describe this image.", "sampling_parameters": "{}"}
+    body.update(patch)
+    body = {k: v for k, v in body.items() if v is not None}
+    status, text = _raw_generate(epd_stack, model, body)
+    assert status == 400, (status, text)
+    assert "INVALID_ARG" in text and expected in text, text
+    ok_status, ok = _raw_generate(
+        epd_stack, model, {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 2})}
+    )
+    assert ok_status == 200, ok
