@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.frontend import parse_front_request, text_responses
+from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
 from orchestrator.llm import LLMEngine, image_input, to_vllm_sampling
 from orchestrator.protocol import (
     DecodeRequest,
@@ -63,9 +63,9 @@ class EncodeHandler:
 
         try:
             image = decode_image(data)
+            pixel_values, grid = preprocess(image, self.preprocess_config)
         except ValueError as exc:
             raise InvalidRequest(f"image {i}: {exc}") from None
-        pixel_values, grid = preprocess(image, self.preprocess_config)
         return pixel_values, grid, content_hash(image, self.preprocess_config, self.encoder_id)
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
@@ -122,7 +122,10 @@ class PrefillHandler:
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
         sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=remote_decode)
         final = None
-        async for out in self.engine.generate(request.prompt, images, sampling, request.request_id):
+        hashes = [h.content_hash for h in request.handles]
+        async for out in self.engine.generate(
+            request.prompt, images, sampling, request.request_id, image_uuids=hashes
+        ):
             final = out
         if final is None:
             raise StageError("prefill produced no output")
@@ -154,7 +157,9 @@ class DecodeHandler:
         images = image_input(request.image_grid_thw) if request.image_grid_thw else None
         extra = {"kv_transfer_params": request.kv_transfer_params}
         sampling = to_vllm_sampling(request.sampling, extra_args=extra)
-        outputs = self.engine.generate(request.prompt, images, sampling, request.request_id)
+        outputs = self.engine.generate(
+            request.prompt, images, sampling, request.request_id, image_uuids=request.image_hashes
+        )
         async for response in text_responses(text_deltas(outputs), stream=True):
             yield response
 
@@ -166,28 +171,31 @@ class AggregatedHandler:
     """The baseline: one vLLM engine, pixels in, text out, same interface as ``epd``."""
 
     def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.frontend import PromptBuilder
+        from orchestrator.encoder.preprocess import PreprocessConfig
 
         topo = ctx.topology
         self.limits = topo.limits
         self.engine = LLMEngine(topo, ctx.server, "aggregated")
         self.prompts = PromptBuilder.for_topology(topo)
+        self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> AggregatedHandler:
         return cls(ctx)
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
-        from orchestrator.encoder.preprocess import decode_image
+        from orchestrator.encoder.preprocess import decode_image, image_grid
 
         request = parse_front_request(inputs, self.limits)
-        images = []
+        images, grids = [], []
         for i, data in enumerate(request.images):
             try:
                 images.append(decode_image(data))
+                grids.append(image_grid(images[-1], self.preprocess_config))
             except ValueError as exc:
                 raise InvalidRequest(f"image {i}: {exc}") from None
         prompt = self.prompts.build(request.text, len(images))
+        self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
         sampling = to_vllm_sampling(request.sampling)
         outputs = self.engine.generate(prompt, images or None, sampling)
         async for response in text_responses(text_deltas(outputs), request.stream):

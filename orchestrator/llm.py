@@ -92,14 +92,22 @@ class LLMEngine:
     async def generate(
         self,
         prompt: str,
-        images: dict[str, Any] | None,
+        images: Any,
         sampling,
         request_id: str | None = None,
+        image_uuids: list[str] | None = None,
     ) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas; vLLM's input errors become ``InvalidRequest``."""
+        """Yield vLLM ``RequestOutput`` deltas; vLLM's input errors become ``InvalidRequest``.
+
+        ``image_uuids`` name the images' content. Prefill and decode must pass them: vLLM
+        otherwise hashes what it is given -- for decode only the grid -- so two different
+        images of one size would share prefix-cache blocks and decode would reuse wrong KV.
+        """
         inputs: dict[str, Any] = {"prompt": prompt}
         if images:
             inputs["multi_modal_data"] = {"image": images}
+        if image_uuids:
+            inputs["multi_modal_uuids"] = {"image": image_uuids}
         rid = request_id or uuid.uuid4().hex
         try:
             async for out in self.engine.generate(inputs, sampling, rid):

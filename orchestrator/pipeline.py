@@ -80,6 +80,7 @@ class EPDPipeline:
             request_id=request_id,
             prompt=prompt,
             image_grid_thw=grids,
+            image_hashes=[h.content_hash for h in handles],
             sampling=request.sampling,
             kv_transfer_params=result.kv_transfer_params,
         )

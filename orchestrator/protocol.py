@@ -128,6 +128,8 @@ class DecodeRequest(_Wire):
     request_id: str
     prompt: str
     image_grid_thw: list[tuple[int, int, int]] = Field(default_factory=list)
+    image_hashes: list[str] = Field(default_factory=list)
+    """Content hashes of the images (from their handles): vLLM's identity for them."""
     sampling: SamplingOptions
     kv_transfer_params: dict | None = None
 

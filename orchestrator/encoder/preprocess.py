@@ -195,6 +195,12 @@ def smart_resize(height: int, width: int, cfg: PreprocessConfig) -> tuple[int, i
     return h_bar, w_bar
 
 
+def image_grid(img: Image.Image, cfg: PreprocessConfig) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid ``preprocess`` will produce, without doing the work."""
+    height, width = smart_resize(img.height, img.width, cfg)
+    return 1, height // cfg.patch_size, width // cfg.patch_size
+
+
 def preprocess(img: Image.Image, cfg: PreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Resize, normalize and patchify one image.
 

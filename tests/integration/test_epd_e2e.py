@@ -171,3 +171,16 @@ def test_bad_input_is_invalid_arg_and_server_stays_up(epd_stack, model, case):
         epd_stack, model, {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 2})}
     )
     assert ok_status == 200, ok
+
+
+def test_same_size_images_never_share_kv(epd_stack, reference):
+    """coffee and chelsea have one patch grid. Decode sees only grids, so unless requests
+    carry the images' content hashes vLLM's prefix cache hands chelsea coffee's KV."""
+    from orchestrator.encoder.preprocess import PreprocessConfig, decode_image, preprocess
+
+    config = PreprocessConfig.from_model_dir(epd_stack.model)
+    grids = {preprocess(decode_image(CASES[c][1][0]), config)[1] for c in ("coffee_png", "chelsea")}
+    assert len(grids) == 1, "the two photos must share a grid for this test to mean anything"
+    for case in ("coffee_png", "chelsea", "coffee_png", "chelsea"):
+        text, images = CASES[case]
+        assert _http_generate(epd_stack, "epd", text, images) == reference[case], case
