@@ -41,6 +41,7 @@ class EncodeHandler:
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.encoder.preprocess import PreprocessConfig
+        from orchestrator.metrics import PoolMetrics
         from orchestrator.transfer import make_producer
 
         topo = ctx.topology
@@ -53,6 +54,9 @@ class EncodeHandler:
             ttl_s=topo.transfer.ttl_s,
             host=topo.servers[ctx.server].host,
         )
+        labels = {"server": ctx.server, "transport": topo.transfer.kind}
+        self.metrics = PoolMetrics(ctx.pb_utils, self.producer, labels)
+        self.metrics.start()  # on the runner's loop: handlers are built there
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EncodeHandler:
@@ -88,9 +92,11 @@ class EncodeHandler:
             for handle in handles:  # nobody will pull these
                 self.producer.release(handle.handle_id)
             raise
+        self.metrics.update()
         yield to_tensor("handles", EncodeResult(handles=handles))
 
     async def close(self) -> None:
+        await self.metrics.stop()
         self.producer.close()
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks of the serving stack: they measure and report, they never assert."""
