@@ -1,4 +1,5 @@
-"""``epd``: build the tiny model, render repositories, serve a topology, send a request."""
+"""``epd``: build the tiny model, render repositories, serve a topology, send a request,
+benchmark ``epd`` against ``aggregated``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
 DEFAULT_WORKDIR = Path(".cache/serve")
+DEFAULT_BENCH_OUT = Path(".cache/bench/quick.json")
 
 
 def _topology(args: argparse.Namespace):
@@ -42,13 +44,16 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.triton.deployment import Deployment, DeploymentBusy
 
     topology = _topology(args)
     deployment = Deployment(topology, Path(args.workdir))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as cleanly as on Ctrl-C
     print("starting servers:", ", ".join(topology.servers), flush=True)
     try:
         with deployment.running(timeout_s=args.timeout):
@@ -57,14 +62,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"logs: {deployment.workdir / 'logs'}", flush=True)
             if args.demo:
                 _demo(topology)
-            if args.exit_after_demo:
-                return 0
             print("serving; Ctrl-C to stop", flush=True)
-            try:
-                stop.wait()
-            except KeyboardInterrupt:
-                pass
-            print("stopping ...", flush=True)
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
     except DeploymentBusy as exc:
         print(f"epd serve: {exc}", file=sys.stderr)
         return 2
@@ -75,10 +76,11 @@ def _demo(topology) -> None:
     """Send the README's request (a real photo) to ``epd`` and ``aggregated``; print both."""
     from orchestrator.client import generate, sample_photo
 
-    _, front = topology.server_of("epd")
     for model in ("epd", "aggregated"):
-        text = generate(front.http_url, model, "Describe this image.", [sample_photo()], 16)
-        print(f"{model} answered: {text!r}", flush=True)
+        hosts = [s for s in topology.servers.values() if model in s.stages]
+        for server in hosts:
+            text = generate(server.http_url, model, "Describe this image.", [sample_photo()], 16)
+            print(f"{model} answered: {text!r}", flush=True)
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
@@ -86,6 +88,36 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     images = [Path(p).read_bytes() for p in args.image]
     print(generate(args.url, args.model, args.text, images, args.max_tokens))
+    return 0
+
+
+def cmd_bench_quick(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from orchestrator.bench import quick
+
+    settings = quick.Settings(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        timeout_s=args.request_timeout,
+    )
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind through the deployment's finally
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            topology = _topology(args)
+            print("starting the embedded deployment on free ports ...", flush=True)
+            url = stack.enter_context(quick.embedded(topology, args.timeout))
+        cli_args = {k: v for k, v in vars(args).items() if k != "func"}
+        report = quick.run(url, settings, cli_args)
+    print(quick.format_table(report["models"]))
+    print(quick.ratio_line(report["ratios"]))
+    for line in quick.warnings(report):
+        print(line, file=sys.stderr)
+    quick.write_report(report, Path(args.out))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -116,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--workdir", default=str(DEFAULT_WORKDIR))
     serve.add_argument("--timeout", type=float, default=300, help="seconds to become ready")
     serve.add_argument("--demo", action="store_true", help="send a real photo once ready")
-    serve.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
     infer = sub.add_parser("infer", help="send one request over HTTP and print the text")
@@ -126,6 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     infer.add_argument("--image", action="append", default=[])
     infer.add_argument("--max-tokens", type=int, default=32)
     infer.set_defaults(func=cmd_infer)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    quick = bench.add_parser("quick", help="TTFT and throughput of epd vs aggregated")
+    quick.add_argument("--url", help="gRPC HOST:PORT of a running front (default: start one)")
+    quick.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    quick.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    quick.add_argument("--requests", type=int, default=24, help="requests per model per round")
+    quick.add_argument("--concurrency", type=int, default=4, help="streams in flight")
+    quick.add_argument("--rounds", type=int, default=2, help="alternating epd/aggregated rounds")
+    quick.add_argument("--max-tokens", type=int, default=16)
+    quick.add_argument("--request-timeout", type=float, default=300, help="seconds per request")
+    quick.add_argument("--out", default=str(DEFAULT_BENCH_OUT), help="JSON report path")
+    quick.set_defaults(func=cmd_bench_quick, topology=None)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,96 @@
+"""`epd serve` as users run it: ready, refuses a second copy, answers, stops clean on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.client import generate, sample_photo
+from tests.conftest import local_topology
+
+pytestmark = pytest.mark.server
+
+
+class _Lines:
+    """stdout of a process read on a thread, so waits for a line can have a deadline."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self.queue.put(line)
+        self.queue.put(None)
+
+    def until(self, marker: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            if marker in line:
+                return "".join(self.seen)
+        pytest.fail(f"no {marker!r} from epd serve; output:\n{''.join(self.seen)}")
+
+
+def _session_processes(sid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines()[1:] if ln.split()[1] == str(sid)]
+
+
+def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
+    topology = local_topology(tiny_model, {"front": ["aggregated"]})
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "serve",
+        "--topology",
+        str(config),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
+    proc = subprocess.Popen(
+        cmd + ["--demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = _Lines(proc)
+        output = lines.until("serving; Ctrl-C to stop", timeout=400)
+        assert "aggregated answered:" in output
+
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert "another `epd serve`" in second.stderr
+
+        front = topology.servers["front"]
+        assert generate(front.http_url, "aggregated", "hello", [sample_photo("chelsea")], 4)
+
+        os.kill(proc.pid, signal.SIGINT)
+        assert "stopped" in lines.until("stopped", timeout=120)
+        assert proc.wait(timeout=30) == 0
+        assert _session_processes(proc.pid) == [], "servers or engines outlived epd serve"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
