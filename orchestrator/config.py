@@ -21,6 +21,11 @@ EncoderRuntimeKind = Literal["onnxruntime", "tensorrt"]
 LOOPBACK = "127.0.0.1"
 
 
+def describe(exc: ValidationError) -> str:
+    """A pydantic error as one line a user can act on: ``field.path: what is wrong; ...``."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -167,7 +172,7 @@ class Topology(_Spec):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ValueError(f"{path}: {describe(exc)}") from None
 
 
 def default_topology(model: Path) -> Topology:

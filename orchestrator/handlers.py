@@ -106,7 +106,7 @@ class PrefillHandler:
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.transfer import make_consumer
 
-        self.engine = LLMEngine(ctx.topology, ctx.server, "prefill")
+        self.engine = LLMEngine.for_model(ctx, "prefill")
         self.consumer = make_consumer(ctx.topology.transfer.kind)
 
     @classmethod
@@ -152,7 +152,7 @@ class DecodeHandler:
     """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text."""
 
     def __init__(self, ctx: ModelContext) -> None:
-        self.engine = LLMEngine(ctx.topology, ctx.server, "decode")
+        self.engine = LLMEngine.for_model(ctx, "decode")
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> DecodeHandler:
@@ -181,7 +181,7 @@ class AggregatedHandler:
 
         topo = ctx.topology
         self.limits = topo.limits
-        self.engine = LLMEngine(topo, ctx.server, "aggregated")
+        self.engine = LLMEngine.for_model(ctx, "aggregated")
         self.prompts = PromptBuilder.for_topology(topo)
         self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
 

@@ -6,16 +6,20 @@ as pulled embeddings, or as grid-only metadata), so they share this one engine h
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from orchestrator.config import Topology
 from orchestrator.protocol import InvalidRequest, SamplingOptions
+
+if TYPE_CHECKING:
+    from orchestrator.triton.runner import ModelContext
 
 LLMRole = Literal["prefill", "decode", "aggregated"]
 
@@ -80,14 +84,19 @@ def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):
 class LLMEngine:
     """An ``AsyncLLM`` for one role; must be created and used on one asyncio loop."""
 
-    def __init__(self, topology: Topology, server: str, role: LLMRole) -> None:
-        os.environ.update(engine_env(topology, server, role))
+    def __init__(self, args: dict[str, Any], env: dict[str, str]) -> None:
+        os.environ.update(env)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.role = role
-        self.max_model_len = int(topology.llm.engine_args.get("max_model_len", 0)) or None
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(topology, role)))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    @classmethod
+    def for_model(cls, ctx: ModelContext, role: LLMRole) -> LLMEngine:
+        """The engine of a Triton model: args from its ``1/model.json`` (as in Triton's
+        vllm_backend; ``epd render`` writes it from the topology), env from the topology."""
+        args = json.loads((ctx.version_dir / "model.json").read_text())
+        return cls(args, engine_env(ctx.topology, ctx.server, role))
 
     async def generate(
         self,

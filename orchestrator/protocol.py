@@ -14,6 +14,8 @@ from typing import Annotated, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.config import describe
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -108,10 +110,7 @@ class SamplingOptions(_Wire):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            errs = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()
-            )
-            raise InvalidRequest(f"invalid sampling_parameters: {errs}") from None
+            raise InvalidRequest(f"invalid sampling_parameters: {describe(exc)}") from None
 
 
 class PrefillRequest(_Wire):

@@ -8,10 +8,12 @@ so ``model.py`` files stay generic and every setting lives in one validated plac
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
 from orchestrator.config import StageName, Topology
+from orchestrator.llm import engine_args
 
 SOURCE = Path(__file__).resolve().parents[2] / "model_repository"
 """The adapters shipped with the package (config.pbtxt + 1/model.py per model)."""
@@ -90,6 +92,10 @@ def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
                     repo / model,
                     ignore=shutil.ignore_patterns("__pycache__", "config.*.pbtxt"),
                 )
+        for role in ("prefill", "decode", "aggregated"):
+            if role in server.stages:
+                args = json.dumps(engine_args(topology, role), indent=2)
+                (repo / role / "1" / "model.json").write_text(args + "\n")
         params = {"topology": str(topology_file), "server": name}
         if "encode" in server.stages:
             params.update(_vision_encoder(topology, repo / "vision_encoder", out_dir))

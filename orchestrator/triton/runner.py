@@ -47,6 +47,8 @@ class ModelContext:
     """The stub's ``triton_python_backend_utils`` (for BLS and metrics)."""
     params: dict[str, str]
     """All string parameters of the model's config.pbtxt (written by ``epd render``)."""
+    version_dir: Path
+    """The model's version folder (``<repo>/<model>/1``), where its artifacts live."""
 
 
 def model_context(args: dict[str, Any], pb_utils: Any) -> ModelContext:
@@ -61,7 +63,8 @@ def model_context(args: dict[str, Any], pb_utils: Any) -> ModelContext:
             "render the repository with `epd render`"
         ) from None
     topology = Topology.model_validate_json(topology_path.read_text())
-    return ModelContext(topology, server, args["model_name"], pb_utils, params)
+    version_dir = Path(args["model_repository"]) / args["model_version"]
+    return ModelContext(topology, server, args["model_name"], pb_utils, params, version_dir)
 
 
 class DecoupledModelRunner:

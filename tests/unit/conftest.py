@@ -9,32 +9,26 @@ import skimage.data
 from PIL import Image
 
 from orchestrator.encoder.preprocess import PreprocessConfig
-from orchestrator.model.tiny import build_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("model") / "tiny", profile="tiny", seed=0)
+def preprocess_cfg(tiny_model: Path) -> PreprocessConfig:
+    return PreprocessConfig.from_model_dir(tiny_model)
 
 
 @pytest.fixture(scope="session")
-def preprocess_cfg(tiny_model_dir: Path) -> PreprocessConfig:
-    return PreprocessConfig.from_model_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_onnx(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_onnx(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from orchestrator.encoder.onnx_export import export_vision_encoder
 
-    return export_vision_encoder(tiny_model_dir, tmp_path_factory.mktemp("onnx") / "vision.onnx")
+    return export_vision_encoder(tiny_model, tmp_path_factory.mktemp("onnx") / "vision.onnx")
 
 
 @pytest.fixture(scope="session")
-def hf_model(tiny_model_dir: Path):
+def hf_model(tiny_model: Path):
     import torch
     from transformers import Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
     return model.eval()
 
 

@@ -90,21 +90,21 @@ def test_metadata_identifies_encoder(tiny_onnx, preprocess_cfg, runtime, hf_mode
     assert (runtime.merge_size, runtime.hidden_size) == (2, 128)
 
 
-def test_export_is_deterministic(tiny_model_dir, tiny_onnx, tmp_path) -> None:
-    again = export_vision_encoder(tiny_model_dir, tmp_path / "again.onnx")
+def test_export_is_deterministic(tiny_model, tiny_onnx, tmp_path) -> None:
+    again = export_vision_encoder(tiny_model, tmp_path / "again.onnx")
     assert again.read_bytes() == tiny_onnx.read_bytes()
 
 
-def test_model_build_is_deterministic(tiny_model_dir, tmp_path) -> None:
+def test_model_build_is_deterministic(tiny_model, tmp_path) -> None:
     from orchestrator.model.tiny import build_model
 
     same = build_model(tmp_path / "same", seed=0)
     other = build_model(tmp_path / "other", seed=1)
-    weights = (tiny_model_dir / "model.safetensors").read_bytes()
+    weights = (tiny_model / "model.safetensors").read_bytes()
     assert (same / "model.safetensors").read_bytes() == weights
     assert (other / "model.safetensors").read_bytes() != weights
     for name in ("tokenizer.json", "config.json", "processor_config.json"):
-        assert (same / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+        assert (same / name).read_bytes() == (tiny_model / name).read_bytes()
 
 
 def test_encode_rejects_mismatched_grid(preprocess_cfg: PreprocessConfig, runtime) -> None:

@@ -33,14 +33,14 @@ def _encode(img: Image.Image, fmt: str, **kwargs: object) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def hf_pil_processor(tiny_model_dir):
-    return AutoImageProcessor.from_pretrained(tiny_model_dir, backend="pil")
+def hf_pil_processor(tiny_model):
+    return AutoImageProcessor.from_pretrained(tiny_model, backend="pil")
 
 
 @pytest.fixture(scope="module")
-def hf_default_processor(tiny_model_dir):
+def hf_default_processor(tiny_model):
     """What vLLM loads: AutoProcessor picks the torchvision backend when it is importable."""
-    return AutoProcessor.from_pretrained(tiny_model_dir).image_processor
+    return AutoProcessor.from_pretrained(tiny_model).image_processor
 
 
 def test_config_read_from_saved_processor(preprocess_cfg: PreprocessConfig) -> None:

@@ -1,4 +1,4 @@
-"""Triton adapter for `aggregated`: Baseline with the same interface: one vLLM engine does everything from pixels."""
+"""Triton adapter for `aggregated`: the one-engine baseline (pixels in, text out)."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,4 +1,4 @@
-"""Triton adapter for `decode`: vLLM decode (NixlConnector kv_consumer): pulls prefill's KV and streams tokens."""
+"""Triton adapter for `decode`: vLLM KV consumer that streams the generated text."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,4 +1,4 @@
-"""Triton adapter for `encode`: Images in, metadata-only embedding handles out (the embeddings stay in this server's pool)."""
+"""Triton adapter for `encode`: images in, metadata-only embedding handles out."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,4 +1,4 @@
-"""Triton adapter for `epd`: Public entry point: routes a request Encode -> Prefill -> Decode and streams text back."""
+"""Triton adapter for `epd`: the public entry point, routing Encode -> Prefill -> Decode."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,4 +1,4 @@
-"""Triton adapter for `prefill`: vLLM prefill (NixlConnector kv_producer) fed with image embeddings pulled by handle."""
+"""Triton adapter for `prefill`: vLLM KV producer fed with embeddings pulled by handle."""
 
 import triton_python_backend_utils as pb_utils
 

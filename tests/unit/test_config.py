@@ -1,0 +1,130 @@
+"""Topology validation, wire protocol helpers and repository rendering (no servers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.config import ServerSpec, Topology, default_topology
+from orchestrator.protocol import (
+    InvalidRequest,
+    SamplingOptions,
+    StageError,
+    Unavailable,
+    error_from_message,
+    error_message,
+)
+
+
+def _server(port: int, stages: list[str], host: str = "127.0.0.1") -> ServerSpec:
+    return ServerSpec(
+        host=host, http_port=port, grpc_port=port + 1, metrics_port=port + 2, stages=stages
+    )
+
+
+def test_default_topology_is_three_servers_with_front_on_triton_ports():
+    topo = default_topology(Path("/m"))
+    assert set(topo.servers) == {"encoder", "prefill", "front"}
+    assert topo.server_of("epd")[1].ports == (8000, 8001, 8002)
+    assert topo.server_of("encode")[0] == "encoder"
+
+
+@pytest.mark.parametrize(
+    ("servers", "message"),
+    [
+        ({"a": _server(9000, ["epd", "decode"])}, "'epd' needs stage 'encode'"),
+        (
+            {
+                "a": _server(9000, ["epd", "encode", "prefill", "decode"]),
+                "b": _server(9100, ["encode"]),
+            },
+            "stage 'encode' is hosted by ['a', 'b']",
+        ),
+        ({"a": _server(9000, ["prefill"])}, "no server hosts an entry point"),
+        (
+            {"a": _server(9000, ["aggregated"]), "b": _server(9001, ["aggregated"])},
+            "both use 127.0.0.1:9001",
+        ),
+    ],
+)
+def test_invalid_topologies_say_what_to_fix(servers, message):
+    with pytest.raises(ValueError, match="invalid topology") as err:
+        Topology(model=Path("/m"), servers=servers)
+    assert message in str(err.value)
+
+
+def test_same_port_on_different_hosts_is_fine():
+    Topology(
+        model=Path("/m"),
+        servers={
+            "a": _server(9000, ["aggregated"]),
+            "b": _server(9000, ["aggregated"], "10.0.0.2"),
+        },
+    )
+
+
+def test_yaml_load_resolves_model_and_rejects_unknown_keys(tmp_path: Path):
+    doc = {
+        "model": "models/tiny",
+        "servers": {
+            "f": {"http_port": 1, "grpc_port": 2, "metrics_port": 3, "stages": ["aggregated"]}
+        },
+    }
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(doc))
+    assert Topology.load(tmp_path / "t.yaml").model == tmp_path / "models" / "tiny"
+    doc["transfer"] = {"kind": "carrier-pigeon"}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="bad.yaml.*transfer.kind"):
+        Topology.load(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{max_tokens: 3", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"max_tokens": 0}', "max_tokens"),
+        ('{"temperature": -1}', "temperature"),
+        ('{"top_p": 1.5}', "top_p"),
+        ('{"bogus": 1}', "bogus"),
+    ],
+)
+def test_sampling_parameters_errors_name_the_field(raw, message):
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingOptions.parse(raw)
+
+
+def test_sampling_parameters_defaults_and_stop_string():
+    assert SamplingOptions.parse(None) == SamplingOptions()
+    assert SamplingOptions.parse(b'{"stop": "END"}').stop == ["END"]
+
+
+@pytest.mark.parametrize("exc", [InvalidRequest("bad image"), Unavailable("gone")])
+def test_error_code_survives_the_wire(exc):
+    back = error_from_message(error_message(exc))
+    assert type(back) is type(exc) and str(back) == str(exc)
+    assert type(error_from_message("plain text")) is StageError
+
+
+def test_render_writes_every_servers_repository(tiny_model: Path, tmp_path: Path):
+    from orchestrator.triton.repository import render
+
+    repos = render(default_topology(tiny_model), tmp_path)
+    models = {name: sorted(p.name for p in repo.iterdir()) for name, repo in repos.items()}
+    assert models == {
+        "encoder": ["encode", "vision_encoder"],
+        "prefill": ["prefill"],
+        "front": ["aggregated", "decode", "epd"],
+    }
+    assert (repos["encoder"] / "vision_encoder" / "1" / "model.onnx").stat().st_size > 0
+    prefill = json.loads((repos["prefill"] / "prefill" / "1" / "model.json").read_text())
+    assert prefill["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert prefill["enable_mm_embeds"] is True
+    decode = json.loads((repos["front"] / "decode" / "1" / "model.json").read_text())
+    assert decode["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    config = (repos["encoder"] / "encode" / "config.pbtxt").read_text()
+    assert 'key: "server", value: { string_value: "encoder" }' in config
+    assert 'key: "encoder_id"' in config
