@@ -9,6 +9,7 @@ stub mixes Debian's libpython with pyenv's stdlib).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,6 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytriton
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM it when its parent dies, even by SIGKILL.
+
+    The server runs in its own session (so a terminal's Ctrl-C reaches only us and we stop
+    it in order); without this, a killed ``epd serve`` or test would orphan it.
+    """
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,12 @@ class TritonServer:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child from here on
         try:
             self._proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
             )
         finally:
             log.close()

@@ -49,7 +49,7 @@ class _Lines:
 
 
 def _session_processes(sid: int) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines()[1:] if ln.split()[1] == str(sid)]
 
 
@@ -94,3 +94,37 @@ def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if text in ln and " Z " not in f" {ln.split()[1]} "]
+
+
+def test_killed_serve_takes_its_servers_down(tiny_model: Path, tmp_path: Path):
+    """Even SIGKILL (no chance to clean up) must not orphan Triton servers or engines."""
+    topology = local_topology(tiny_model, {"front": ["aggregated"]})
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
+    workdir = tmp_path / "work"
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "serve",
+        "--topology",
+        str(config),
+        "--workdir",
+        str(workdir),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _Lines(proc).until("serving; Ctrl-C to stop", timeout=400)
+        assert _processes_mentioning(str(workdir)), "the server should be running"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 60
+    while _processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(workdir)) == []
