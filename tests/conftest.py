@@ -52,12 +52,14 @@ EPD_LAYOUT = {
 """The embedded default's shape: three servers, as `epd serve` runs them."""
 
 
-@pytest.fixture(scope="session")
-def epd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    """The three-server EPD deployment, started once for the session and always stopped."""
+def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:
     from orchestrator.triton.deployment import Deployment
 
-    topology = local_topology(tiny_model, EPD_LAYOUT)
-    deployment = Deployment(topology, tmp_path_factory.mktemp("epd"))
-    with deployment.running(timeout_s=600):
+    with Deployment(topology, workdir).running(timeout_s=600):
         yield topology
+
+
+@pytest.fixture(scope="module")
+def epd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    """The three-server EPD deployment, started once per module and always stopped."""
+    yield from running_stack(local_topology(tiny_model, EPD_LAYOUT), tmp_path_factory.mktemp("epd"))

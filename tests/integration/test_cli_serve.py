@@ -49,7 +49,9 @@ class _Lines:
 
 
 def _session_processes(sid: int) -> list[str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True
+    ).stdout
     return [ln for ln in out.splitlines()[1:] if ln.split()[1] == str(sid)]
 
 
@@ -97,7 +99,9 @@ def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
 
 
 def _processes_mentioning(text: str) -> list[str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True
+    ).stdout
     return [ln for ln in out.splitlines() if text in ln and " Z " not in f" {ln.split()[1]} "]
 
 
