@@ -96,22 +96,26 @@ def cmd_bench_quick(args: argparse.Namespace) -> int:
 
     from orchestrator.bench import quick
 
-    settings = quick.Settings(
-        requests=args.requests,
-        concurrency=args.concurrency,
-        rounds=args.rounds,
-        max_tokens=args.max_tokens,
-        timeout_s=args.request_timeout,
-    )
     signal.signal(signal.SIGTERM, _interrupt)  # unwind through the deployment's finally
-    with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            topology = _topology(args)
-            print("starting the embedded deployment on free ports ...", flush=True)
-            url = stack.enter_context(quick.embedded(topology, args.timeout))
-        cli_args = {k: v for k, v in vars(args).items() if k != "func"}
-        report = quick.run(url, settings, cli_args)
+    try:
+        settings = quick.Settings(
+            requests=args.requests,
+            concurrency=args.concurrency,
+            rounds=args.rounds,
+            max_tokens=args.max_tokens,
+            timeout_s=args.request_timeout,
+        )
+        with contextlib.ExitStack() as stack:
+            url = args.url
+            if url is None:
+                topology = _topology(args)
+                print("starting the embedded deployment on free ports ...", flush=True)
+                url = stack.enter_context(quick.embedded(topology, args.timeout))
+            cli_args = {k: v for k, v in vars(args).items() if k != "func"}
+            report = quick.run(url, settings, cli_args)
+    except quick.BenchError as exc:
+        print(f"epd bench quick: {exc}", file=sys.stderr)
+        return 2
     print(quick.format_table(report["models"]))
     print(quick.ratio_line(report["ratios"]))
     for line in quick.warnings(report):

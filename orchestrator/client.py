@@ -43,24 +43,31 @@ def generate(url: str, model: str, text: str, images: list[bytes], max_tokens: i
         return json.loads(response.read())["text_output"]
 
 
+def request_inputs(text: str, images: list[bytes], sampling: dict, stream: bool) -> list:
+    """The public inputs as tritonclient gRPC tensors (the aio client takes the same)."""
+    import tritonclient.grpc as grpcclient
+
+    values = [("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")]
+    if images:
+        values.append(("image", np.array(images, dtype=np.object_), "BYTES"))
+    params = json.dumps(sampling).encode()
+    values.append(("sampling_parameters", np.array([params], dtype=np.object_), "BYTES"))
+    values.append(("stream", np.array([stream]), "BOOL"))
+    inputs = []
+    for name, value, dtype in values:
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
 def stream(url: str, model: str, text: str, images: list[bytes], sampling: dict) -> list[str]:
     """One streaming request over gRPC; returns the text pieces in arrival order."""
     import queue
 
     import tritonclient.grpc as grpcclient
 
-    inputs = []
-
-    def add(name: str, value: np.ndarray, dtype: str) -> None:
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-
-    add("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")
-    if images:
-        add("image", np.array(images, dtype=np.object_), "BYTES")
-    add("sampling_parameters", np.array([json.dumps(sampling).encode()], np.object_), "BYTES")
-    add("stream", np.array([True]), "BOOL")
+    inputs = request_inputs(text, images, sampling, stream=True)
     results: queue.Queue = queue.Queue()
     pieces: list[str] = []
     with grpcclient.InferenceServerClient(url) as client:

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from orchestrator.config import ServerSpec, Topology
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on loopback right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+from orchestrator.triton.deployment import free_ports
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,30 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` right now."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def on_free_ports(topology: Topology) -> Topology:
+    """``topology`` with every server moved to free loopback ports, so a benchmark never
+    collides with an ``epd serve`` on the default ports."""
+    ports = iter(free_ports(3 * len(topology.servers)))
+    data = topology.model_dump()
+    for server in data["servers"].values():
+        server.update(
+            host="127.0.0.1",
+            http_port=next(ports),
+            grpc_port=next(ports),
+            metrics_port=next(ports),
+        )
+    return Topology.model_validate(data)
+
+
 class Deployment:
     """The Triton servers of one topology, rendered under ``workdir``."""
 

@@ -19,7 +19,6 @@ from orchestrator.bench.quick import (
     _run_round,
     build_report,
     format_table,
-    on_free_ports,
     output_mismatches,
     percentile,
     ratio_line,
@@ -31,6 +30,7 @@ from orchestrator.bench.quick import (
     write_report,
 )
 from orchestrator.config import default_topology
+from orchestrator.triton.deployment import on_free_ports
 
 
 def ok(kind: str, ttft: float, latency: float, text: str = "abcd") -> RequestResult:
