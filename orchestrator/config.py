@@ -101,6 +101,9 @@ class LLMSpec(_Spec):
     """Where NixlConnector stages KV: ``cpu`` here, ``cuda`` on GPU servers."""
     kv_space_gib: int = Field(default=1, ge=1)
     """``VLLM_CPU_KVCACHE_SPACE`` for CPU engines."""
+    nixl_progress_thread: bool = False
+    """Let NIXL run its progress thread in the KV connector. It spins a core per engine even
+    when idle; vLLM polls transfers on every step without it (``orchestrator.kv_connector``)."""
 
 
 class Limits(_Spec):

@@ -46,6 +46,8 @@ def engine_args(topology: Topology, role: LLMRole) -> dict[str, Any]:
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": llm.kv_buffer_device,
         }
+        if not llm.nixl_progress_thread:
+            args["kv_transfer_config"]["kv_connector_module_path"] = "orchestrator.kv_connector"
     return args
 
 
