@@ -53,7 +53,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     topology = _topology(args)
     deployment = Deployment(topology, Path(args.workdir))
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as cleanly as on Ctrl-C
+    # Ctrl-C and SIGTERM stop everything in order. SIGINT is set explicitly: a shell that
+    # starts us in the background without job control leaves it ignored otherwise.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     print("starting servers:", ", ".join(topology.servers), flush=True)
     try:
         with deployment.running(timeout_s=args.timeout):
