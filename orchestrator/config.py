@@ -45,6 +45,9 @@ class ServerSpec(_Spec):
     """Models this server hosts."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for this server (e.g. ``CUDA_VISIBLE_DEVICES``, thread counts)."""
+    netns: str | None = None
+    """Linux network namespace to start the server in (``ip netns exec``): separate hosts
+    on one machine, as the multi-host tests use; ``None`` = this process's namespace."""
 
     @property
     def grpc_url(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,20 @@ EPD_LAYOUT = {
     "front": ["decode", "epd", "aggregated"],
 }
 """The embedded default's shape: three servers, as `epd serve` runs them."""
+
+
+def pool_metrics(topology: Topology) -> dict[str, float]:
+    """The encoder's ``epd_embedding_pool_*`` gauges, scraped from its ``/metrics``."""
+    encoder = topology.server_of("encode")[1]
+    url = f"http://{encoder.host}:{encoder.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    prefix = "epd_embedding_pool_"
+    return {
+        line[len(prefix) : line.index("{")]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(prefix)
+    }
 
 
 def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:

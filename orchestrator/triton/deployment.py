@@ -84,7 +84,7 @@ class Deployment:
             f"{name} {spec.host}:{port}"
             for name, spec in self.topology.servers.items()
             for port in spec.ports
-            if _port_in_use(spec.host, port)
+            if spec.netns is None and _port_in_use(spec.host, port)
         ]
         if busy:
             self._release()
@@ -109,6 +109,7 @@ class Deployment:
                     metrics_port=spec.metrics_port,
                     log_path=self.workdir / "logs" / f"{name}.log",
                     env=spec.env,
+                    netns=spec.netns,
                 )
                 self.servers[name] = server
                 server.start()

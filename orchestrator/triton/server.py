@@ -86,6 +86,7 @@ class TritonServer:
     metrics_port: int
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    netns: str | None = None
     exit_timeout_s: int = 15
     _proc: subprocess.Popen | None = None
     _scratch: tempfile.TemporaryDirectory | None = None
@@ -103,7 +104,9 @@ class TritonServer:
             ),
             **self.env,
         }
+        netns = ["ip", "netns", "exec", self.netns] if self.netns else []
         cmd = [
+            *netns,
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={backends}",

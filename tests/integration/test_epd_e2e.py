@@ -20,6 +20,7 @@ from PIL import Image
 
 from orchestrator.client import generate_body, sample_photo, stream
 from orchestrator.config import Topology
+from tests.conftest import pool_metrics
 
 pytestmark = pytest.mark.server
 
@@ -188,19 +189,6 @@ def test_same_size_images_never_share_kv(epd_stack, reference):
         assert _http_generate(epd_stack, "epd", text, images) == reference[case], case
 
 
-def _pool_metrics(topology: Topology) -> dict[str, float]:
-    encoder = topology.server_of("encode")[1]
-    url = f"http://{encoder.host}:{encoder.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    prefix = "epd_embedding_pool_"
-    return {
-        line[len(prefix) : line.index("{")]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line.startswith(prefix)
-    }
-
-
 def test_concurrent_requests_are_exact_and_pool_returns_to_all_free(epd_stack, reference):
     """Concurrent image requests stay token-exact, and every embedding slot is freed by
     prefill's pull (not by TTL expiry) once the batch is done."""
@@ -210,7 +198,7 @@ def test_concurrent_requests_are_exact_and_pool_returns_to_all_free(epd_stack, r
     assert texts == [reference[c] for c in cases]
 
     deadline = time.monotonic() + 10
-    while (stats := _pool_metrics(epd_stack))["slots_in_use"] and time.monotonic() < deadline:
+    while (stats := pool_metrics(epd_stack))["slots_in_use"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["slots_in_use"] == 0, stats
     assert stats["bytes_free"] == stats["pool_bytes"] > 0, stats
