@@ -146,8 +146,6 @@ class Topology(_Spec):
             owners = hosting.get(stage, [])
             if not owners:
                 problems.append(f"'epd' needs stage {stage!r}, which no server hosts")
-            elif len(owners) > 1:
-                problems.append(f"stage {stage!r} is hosted by {owners}; use one server")
         seen: dict[tuple[str, int], str] = {}
         for name, server in self.servers.items():
             if len(set(server.ports)) != 3:
@@ -160,11 +158,14 @@ class Topology(_Spec):
             raise ValueError("invalid topology: " + "; ".join(problems))
         return self
 
+    def servers_of(self, stage: StageName) -> dict[str, ServerSpec]:
+        """Every server hosting ``stage``, by name (several scale a stage out)."""
+        return {name: s for name, s in self.servers.items() if stage in s.stages}
+
     def server_of(self, stage: StageName) -> tuple[str, ServerSpec]:
-        """The (name, spec) of the server hosting ``stage``."""
-        for name, server in self.servers.items():
-            if stage in server.stages:
-                return name, server
+        """The (name, spec) of the first server hosting ``stage``."""
+        for name, server in self.servers_of(stage).items():
+            return name, server
         raise KeyError(f"no server hosts stage {stage!r}")
 
     @classmethod

@@ -22,6 +22,7 @@ from orchestrator.protocol import (
     from_tensor,
     to_tensor,
 )
+from orchestrator.router import StageRoute
 from orchestrator.stage_client import BlsStageClient, GrpcStageClient, StageClient
 from orchestrator.triton.runner import ModelContext
 
@@ -41,16 +42,18 @@ class EPDPipeline:
         self.prompts = PromptBuilder.for_topology(topo)
         timeout = topo.limits.stage_timeout_s
         self._clients: dict[str, StageClient] = {}
-        self.stages: dict[StageName, StageClient] = {}
+        self.routes: dict[StageName, StageRoute] = {}
         for stage in ("encode", "prefill", "decode"):
-            name, server = topo.server_of(stage)
-            if name not in self._clients:
-                self._clients[name] = (
-                    BlsStageClient(ctx.pb_utils, timeout)
-                    if name == ctx.server
-                    else GrpcStageClient(server.grpc_url, timeout)
-                )
-            self.stages[stage] = self._clients[name]
+            targets = {}
+            for name, server in topo.servers_of(stage).items():
+                if name not in self._clients:
+                    self._clients[name] = (
+                        BlsStageClient(ctx.pb_utils, timeout)
+                        if name == ctx.server
+                        else GrpcStageClient(server.grpc_url, timeout)
+                    )
+                targets[name] = self._clients[name]
+            self.routes[stage] = StageRoute(stage, targets)
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EPDPipeline:
@@ -63,17 +66,18 @@ class EPDPipeline:
 
         handles = []
         if request.images:
-            encoded = await self.stages["encode"].call_one(
-                "encode", {"image": np.array(request.images, dtype=np.object_)}, ["handles"]
-            )
+            images = {"image": np.array(request.images, dtype=np.object_)}
+            with self.routes["encode"].pick() as encoder:
+                encoded = await encoder.call_one("encode", images, ["handles"])
             handles = from_tensor(encoded, "handles", EncodeResult).handles
         grids = [h.image_grid_thw for h in handles]
         self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
 
         prefill = PrefillRequest(request_id=request_id, prompt=prompt, handles=handles)
-        prefilled = await self.stages["prefill"].call_one(
-            "prefill", to_tensor("request", prefill), ["result"]
-        )
+        with self.routes["prefill"].pick() as prefiller:
+            prefilled = await prefiller.call_one(
+                "prefill", to_tensor("request", prefill), ["result"]
+            )
         result = from_tensor(prefilled, "result", PrefillResult)
 
         decode = DecodeRequest(
@@ -84,9 +88,10 @@ class EPDPipeline:
             sampling=request.sampling,
             kv_transfer_params=result.kv_transfer_params,
         )
-        deltas = self.stages["decode"].call("decode", to_tensor("request", decode), ["text_output"])
-        async for response in text_responses(_texts(deltas), request.stream):
-            yield response
+        with self.routes["decode"].pick() as decoder:
+            deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"])
+            async for response in text_responses(_texts(deltas), request.stream):
+                yield response
 
     async def close(self) -> None:
         for client in self._clients.values():

@@ -39,9 +39,8 @@ EPD_LAYOUT = {
 """The embedded default's shape: three servers, as `epd serve` runs them."""
 
 
-def pool_metrics(topology: Topology) -> dict[str, float]:
-    """The encoder's ``epd_embedding_pool_*`` gauges, scraped from its ``/metrics``."""
-    encoder = topology.server_of("encode")[1]
+def pool_metrics(encoder: ServerSpec) -> dict[str, float]:
+    """An encoder server's ``epd_embedding_pool_*`` gauges, scraped from its ``/metrics``."""
     url = f"http://{encoder.host}:{encoder.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         lines = response.read().decode().splitlines()

@@ -198,7 +198,9 @@ def test_concurrent_requests_are_exact_and_pool_returns_to_all_free(epd_stack, r
     assert texts == [reference[c] for c in cases]
 
     deadline = time.monotonic() + 10
-    while (stats := pool_metrics(epd_stack))["slots_in_use"] and time.monotonic() < deadline:
+    while (stats := pool_metrics(epd_stack.server_of("encode")[1]))[
+        "slots_in_use"
+    ] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["slots_in_use"] == 0, stats
     assert stats["bytes_free"] == stats["pool_bytes"] > 0, stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +23,18 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
+LAYOUTS = {
+    "E/P/D": EPD_LAYOUT,
+    "2E/P/D": {"encoder1": ["encode"], "encoder2": ["encode"], **EPD_LAYOUT},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def multihost_stack(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Topology]:
-    with isolated_hosts(list(EPD_LAYOUT)) as hosts:
+    layout = LAYOUTS[request.param]
+    with isolated_hosts(list(layout)) as hosts:
         servers = {
             name: ServerSpec(
                 host=hosts[name].ip,
@@ -37,7 +45,7 @@ def multihost_stack(
                 stages=stages,
                 env={"UCX_TLS": "tcp"},
             )
-            for name, stages in EPD_LAYOUT.items()
+            for name, stages in layout.items()
         }
         topology = Topology(model=tiny_model, servers=servers)
         yield from running_stack(topology, tmp_path_factory.mktemp("multihost"))
@@ -45,7 +53,7 @@ def multihost_stack(
 
 def test_servers_live_on_their_own_hosts(multihost_stack):
     hosts = {spec.host for spec in multihost_stack.servers.values()}
-    assert len(hosts) == 3 and "127.0.0.1" not in hosts
+    assert len(hosts) == len(multihost_stack.servers) and "127.0.0.1" not in hosts
     for spec in multihost_stack.servers.values():
         pids = subprocess.run(
             ["ip", "netns", "pids", spec.netns], capture_output=True, text=True, check=True
@@ -69,14 +77,27 @@ def test_epd_across_hosts_matches_aggregated(multihost_stack, text, images):
     assert "".join(epd) == "".join(aggregated) != ""
 
 
-def test_embeddings_were_pulled_across_hosts(multihost_stack):
-    """Every slot the encoder host filled was freed by the prefill host's NIXL READ
-    notification, none by TTL: the embeddings really crossed."""
+def _encoded_requests(server: ServerSpec) -> float:
+    """Triton's own count of successful ``encode`` requests on one encoder server."""
+    url = f"http://{server.host}:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith('nv_inference_request_success{model="encode"'):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no encode request counter at {url}")
+
+
+def test_embeddings_were_pulled_across_hosts_from_every_encoder(multihost_stack):
+    """Each encoder host served requests, and every slot it filled was freed by the prefill
+    host's NIXL READ notification, none by TTL: the embeddings really crossed."""
     front = multihost_stack.server_of("epd")[1]
-    stream(
-        front.grpc_url, "epd", "Describe this image.", [sample_photo("coffee")], {"max_tokens": 2}
-    )
-    deadline = time.monotonic() + 10
-    while (stats := pool_metrics(multihost_stack))["slots_in_use"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert stats["slots_in_use"] == 0 and stats["reclaimed_expired"] == 0, stats
+    for name in ("coffee", "chelsea", "astronaut", "coffee"):
+        stream(
+            front.grpc_url, "epd", "Describe this image.", [sample_photo(name)], {"max_tokens": 2}
+        )
+    for name, encoder in multihost_stack.servers_of("encode").items():
+        assert _encoded_requests(encoder) > 0, f"{name} got no work"
+        deadline = time.monotonic() + 10
+        while (stats := pool_metrics(encoder))["slots_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stats["slots_in_use"] == 0 and stats["reclaimed_expired"] == 0, (name, stats)
