@@ -8,6 +8,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.config import ServerSpec
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
 DEFAULT_WORKDIR = Path(".cache/serve")
@@ -52,19 +56,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.triton.deployment import Deployment, DeploymentBusy
 
     topology = _topology(args)
-    deployment = Deployment(topology, Path(args.workdir))
+    try:
+        deployment = Deployment(topology, Path(args.workdir), only=args.server)
+    except ValueError as exc:
+        print(f"epd serve: {exc}", file=sys.stderr)
+        return 2
     # Ctrl-C and SIGTERM stop everything in order. SIGINT is set explicitly: a shell that
     # starts us in the background without job control leaves it ignored otherwise.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    print("starting servers:", ", ".join(topology.servers), flush=True)
+    print("starting servers:", ", ".join(deployment.local), flush=True)
     try:
         with deployment.running(timeout_s=args.timeout):
-            for name, spec in topology.servers.items():
+            for name, spec in deployment.local.items():
                 print(f"  {name:8s} http://{spec.http_url} grpc {spec.grpc_url}: {spec.stages}")
             print(f"logs: {deployment.workdir / 'logs'}", flush=True)
             if args.demo:
-                _demo(topology)
+                _demo(deployment.local)
             print("serving; Ctrl-C to stop", flush=True)
             threading.Event().wait()
     except KeyboardInterrupt:
@@ -75,12 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(topology) -> None:
+def _demo(servers: dict[str, ServerSpec]) -> None:
     """Send the README's request (a real photo) to ``epd`` and ``aggregated``; print both."""
     from orchestrator.client import generate, sample_photo
 
     for model in ("epd", "aggregated"):
-        hosts = [s for s in topology.servers.values() if model in s.stages]
+        hosts = [s for s in servers.values() if model in s.stages]
         for server in hosts:
             text = generate(server.http_url, model, "Describe this image.", [sample_photo()], 16)
             print(f"{model} answered: {text!r}", flush=True)
@@ -154,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     topo_args(serve)
     serve.add_argument("--workdir", default=str(DEFAULT_WORKDIR))
     serve.add_argument("--timeout", type=float, default=300, help="seconds to become ready")
+    serve.add_argument(
+        "--server",
+        action="append",
+        help="start only this server of the topology (repeatable; one host of many)",
+    )
     serve.add_argument("--demo", action="store_true", help="send a real photo once ready")
     serve.set_defaults(func=cmd_serve)
 

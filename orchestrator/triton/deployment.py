@@ -59,8 +59,14 @@ def on_free_ports(topology: Topology) -> Topology:
 class Deployment:
     """The Triton servers of one topology, rendered under ``workdir``."""
 
-    def __init__(self, topology: Topology, workdir: Path) -> None:
+    def __init__(self, topology: Topology, workdir: Path, only: list[str] | None = None) -> None:
+        """``only`` names the servers to start here (one host of a multi-host topology);
+        by default all of them."""
+        unknown = set(only or ()) - set(topology.servers)
+        if unknown:
+            raise ValueError(f"no such server(s) in the topology: {sorted(unknown)}")
         self.topology = topology
+        self.local = {n: s for n, s in topology.servers.items() if not only or n in only}
         self.workdir = workdir.resolve()
         self.servers: dict[str, TritonServer] = {}
         self._lock: int | None = None
@@ -82,7 +88,7 @@ class Deployment:
         self._lock = fd
         busy = [
             f"{name} {spec.host}:{port}"
-            for name, spec in self.topology.servers.items()
+            for name, spec in self.local.items()
             for port in spec.ports
             if spec.netns is None and _port_in_use(spec.host, port)
         ]
@@ -100,7 +106,7 @@ class Deployment:
         self._acquire()
         try:
             repos = render(self.topology, self.workdir / "repos")
-            for name, spec in self.topology.servers.items():
+            for name, spec in self.local.items():
                 server = TritonServer(
                     model_repository=repos[name],
                     host=spec.host,

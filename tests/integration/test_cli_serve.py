@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,8 @@ def _session_processes(sid: int) -> list[str]:
 
 
 def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
-    topology = local_topology(tiny_model, {"front": ["aggregated"]})
+    # Two servers in the file; `--server front` starts only this "host's" one.
+    topology = local_topology(tiny_model, {"front": ["aggregated"], "elsewhere": ["aggregated"]})
     config = tmp_path / "topology.yaml"
     config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
     cmd = [
@@ -69,6 +71,7 @@ def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
         "--workdir",
         str(tmp_path / "work"),
     ]
+    cmd += ["--server", "front"]
     proc = subprocess.Popen(
         cmd + ["--demo"],
         stdout=subprocess.PIPE,
@@ -84,6 +87,11 @@ def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2
         assert "another `epd serve`" in second.stderr
+
+        assert "elsewhere" not in output.split("logs:")[0]
+        elsewhere = topology.servers["elsewhere"]
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{elsewhere.http_url}/v2/health/ready", timeout=5)
 
         front = topology.servers["front"]
         assert generate(front.http_url, "aggregated", "hello", [sample_photo("chelsea")], 4)

@@ -133,3 +133,11 @@ def test_a_stage_may_scale_out_over_several_servers():
         },
     )
     assert list(topo.servers_of("encode")) == ["e1", "e2"]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[2] / "topologies").glob("*.yaml")), ids=str
+)
+def test_shipped_topologies_are_valid(path: Path):
+    topology = Topology.load(path)
+    assert topology.servers_of("epd") or topology.servers_of("aggregated")
