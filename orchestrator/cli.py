@@ -22,7 +22,10 @@ def _topology(args: argparse.Namespace):
     from orchestrator.config import Topology, default_topology
 
     if args.topology:
-        return Topology.load(args.topology)
+        try:
+            return Topology.load(args.topology)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"epd: {exc}") from None
     model = Path(args.model)
     if not (model / "config.json").exists():
         from orchestrator.model.tiny import build_model
@@ -94,6 +97,28 @@ def _demo(servers: dict[str, ServerSpec]) -> None:
             print(f"{model} answered: {text!r}", flush=True)
 
 
+def cmd_encoder_export(args: argparse.Namespace) -> int:
+    from orchestrator.encoder.onnx_export import export_vision_encoder
+
+    print(export_vision_encoder(Path(args.model_dir), Path(args.out)))
+    return 0
+
+
+def cmd_encoder_build(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator.encoder.build import build_tensorrt_plan
+    from orchestrator.encoder.runtime import TensorRTUnavailable
+
+    try:
+        report = build_tensorrt_plan(Path(args.model_dir), args.plan, fp16=args.fp16)
+    except TensorRTUnavailable as exc:
+        print(f"epd encoder build: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     from orchestrator.client import generate
 
@@ -152,6 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--profile", choices=["tiny", "bench"], default="tiny")
     build.add_argument("--seed", type=int, default=0)
     build.set_defaults(func=cmd_model_build)
+
+    encoder = sub.add_parser("encoder", help="vision encoder artifacts").add_subparsers(
+        dest="sub", required=True
+    )
+    export = encoder.add_parser("export", help="export the vision tower to ONNX")
+    export.add_argument("model_dir")
+    export.add_argument("out")
+    export.set_defaults(func=cmd_encoder_export)
+    trt = encoder.add_parser("build", help="build a TensorRT plan (GPU hosts) and check it")
+    trt.add_argument("model_dir")
+    trt.add_argument("--trt", action="store_true", required=True)
+    trt.add_argument("--plan", type=Path, help="default: MODEL_DIR/vision_encoder.plan")
+    trt.add_argument("--fp16", action="store_true")
+    trt.set_defaults(func=cmd_encoder_build)
 
     render = sub.add_parser("render", help="write each server's Triton model repository")
     topo_args(render)

@@ -117,6 +117,26 @@ class OnnxRuntimeEncoder(VisionEncoderRuntime):
         return self._session.run([OUTPUT_NAME], feeds)[0]
 
 
+class TensorRTUnavailable(RuntimeError):
+    """This machine cannot build or run TensorRT engines (no ``tensorrt`` or no CUDA)."""
+
+
+def require_tensorrt():
+    """``(tensorrt, torch)`` on a GPU host; ``TensorRTUnavailable`` saying why not elsewhere."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise TensorRTUnavailable(
+            "TensorRT is not installed: the TensorRT encoder is built and run on GPU hosts "
+            "(pip install tensorrt there, or use the GPU image in docker/)"
+        ) from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable("TensorRT needs a CUDA device and none is visible")
+    return trt, torch
+
+
 class TensorRTEncoder(VisionEncoderRuntime):
     """GPU inference with TensorRT (10.x Python API), engine built from the ONNX file.
 
@@ -138,11 +158,8 @@ class TensorRTEncoder(VisionEncoderRuntime):
         workspace_bytes: int = 2 << 30,
     ) -> None:
         import onnx
-        import tensorrt as trt
-        import torch
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("TensorRTEncoder needs a CUDA device")
+        trt, torch = require_tensorrt()
         self._trt, self._torch = trt, torch
         onnx_path = Path(onnx_path)
         meta = onnx.load(str(onnx_path), load_external_data=False).metadata_props
