@@ -45,6 +45,12 @@ class ServerSpec(_Spec):
     """Models this server hosts."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for this server (e.g. ``CUDA_VISIBLE_DEVICES``, thread counts)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of ``llm.engine_args`` for the engines on this server (e.g. dtype or
+    ``gpu_memory_utilization`` for its GPU type)."""
+    instances: dict[str, int] = Field(default_factory=dict)
+    """Triton instances per model on this server (``instance_group`` count; default 1),
+    e.g. ``{vision_encoder: 2}``."""
     netns: str | None = None
     """Linux network namespace to start the server in (``ip netns exec``): separate hosts
     on one machine, as the multi-host tests use; ``None`` = this process's namespace."""
@@ -146,6 +152,16 @@ class Topology(_Spec):
             owners = hosting.get(stage, [])
             if not owners:
                 problems.append(f"'epd' needs stage {stage!r}, which no server hosts")
+        for name, server in self.servers.items():
+            models = {*server.stages, *(["vision_encoder"] if "encode" in server.stages else [])}
+            for model, count in server.instances.items():
+                if model not in models:
+                    problems.append(
+                        f"server {name!r} sets instances of {model!r}, which it "
+                        f"does not host (it hosts {sorted(models)})"
+                    )
+                elif count < 1:
+                    problems.append(f"server {name!r}: instances of {model!r} must be >= 1")
         seen: dict[tuple[str, int], str] = {}
         for name, server in self.servers.items():
             if len(set(server.ports)) != 3:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.config import Limits, Topology
+from orchestrator.llm import LLMRole, engine_args
 from orchestrator.protocol import InvalidRequest, SamplingOptions
 
 Tensors = dict[str, np.ndarray]
@@ -89,11 +90,18 @@ class PromptBuilder:
         self.merge_area = spatial_merge_size**2
 
     @classmethod
-    def for_topology(cls, topology: Topology) -> PromptBuilder:
+    def for_topology(cls, topology: Topology, roles: tuple[LLMRole, ...]) -> PromptBuilder:
+        """The builder for requests served by the engines of ``roles``: their context is the
+        smallest ``max_model_len`` among those engines' servers."""
         config = json.loads((topology.model / "config.json").read_text())
+        max_model_len = min(
+            int(engine_args(topology, server, role)["max_model_len"])
+            for role in roles
+            for server in topology.servers_of(role)
+        )
         return cls(
             topology.model,
-            max_model_len=int(topology.llm.engine_args["max_model_len"]),
+            max_model_len=max_model_len,
             spatial_merge_size=int(config["vision_config"]["spatial_merge_size"]),
         )
 

@@ -182,7 +182,7 @@ class AggregatedHandler:
         topo = ctx.topology
         self.limits = topo.limits
         self.engine = LLMEngine.for_model(ctx, "aggregated")
-        self.prompts = PromptBuilder.for_topology(topo)
+        self.prompts = PromptBuilder.for_topology(topo, ("aggregated",))
         self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
 
     @classmethod

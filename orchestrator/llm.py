@@ -30,11 +30,13 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def engine_args(topology: Topology, role: LLMRole) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keywords for ``role``: shared settings + what the role needs."""
+def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keywords for ``role`` on ``server``: shared settings, the server's
+    overrides, then what the role needs."""
     llm = topology.llm
     args: dict[str, Any] = {
         **llm.engine_args,
+        **topology.servers[server].engine_args,
         "model": str(topology.model),
         "limit_mm_per_prompt": {"image": topology.limits.max_images_per_request, "video": 0},
     }

@@ -39,7 +39,7 @@ class EPDPipeline:
     def __init__(self, ctx: ModelContext) -> None:
         topo = ctx.topology
         self.limits = topo.limits
-        self.prompts = PromptBuilder.for_topology(topo)
+        self.prompts = PromptBuilder.for_topology(topo, ("prefill", "decode"))
         timeout = topo.limits.stage_timeout_s
         self._clients: dict[str, StageClient] = {}
         self.routes: dict[StageName, StageRoute] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -94,12 +95,18 @@ def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
                 )
         for role in ("prefill", "decode", "aggregated"):
             if role in server.stages:
-                args = json.dumps(engine_args(topology, role), indent=2)
+                args = json.dumps(engine_args(topology, name, role), indent=2)
                 (repo / role / "1" / "model.json").write_text(args + "\n")
         params = {"topology": str(topology_file), "server": name}
         if "encode" in server.stages:
             params.update(_vision_encoder(topology, repo / "vision_encoder", out_dir))
         for config in repo.glob("*/config.pbtxt"):
-            config.write_text(config.read_text() + _parameters(params))
+            text = config.read_text()
+            count = server.instances.get(config.parent.name)
+            if count is not None:
+                text, n = re.subn(r"count: \d+", f"count: {count}", text)
+                if n != 1:
+                    raise ValueError(f"{config}: expected one instance_group count")
+            config.write_text(text + _parameters(params))
         repos[name] = repo
     return repos

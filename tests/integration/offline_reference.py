@@ -19,11 +19,12 @@ from orchestrator.llm import engine_args, engine_env
 def main() -> None:
     topology = Topology.model_validate_json(Path(sys.argv[1]).read_text())
     cases = json.loads(Path(sys.argv[2]).read_text())
-    os.environ.update(engine_env(topology, next(iter(topology.servers)), "aggregated"))
+    server = next(iter(topology.servers_of("aggregated")))
+    os.environ.update(engine_env(topology, server, "aggregated"))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_args(topology, "aggregated"))
-    prompts = PromptBuilder.for_topology(topology)
+    llm = LLM(**engine_args(topology, server, "aggregated"))
+    prompts = PromptBuilder.for_topology(topology, ("aggregated",))
     requests, params = [], []
     for case in cases.values():
         images = [decode_image(base64.b64decode(b)) for b in case["images"]]

@@ -141,3 +141,33 @@ def test_a_stage_may_scale_out_over_several_servers():
 def test_shipped_topologies_are_valid(path: Path):
     topology = Topology.load(path)
     assert topology.servers_of("epd") or topology.servers_of("aggregated")
+
+
+def test_per_server_engine_args_and_instances_are_rendered(tiny_model: Path, tmp_path: Path):
+    from orchestrator.triton.repository import render
+
+    topo = default_topology(tiny_model)
+    topo.servers["prefill"].engine_args = {"max_num_seqs": 4}
+    topo.servers["encoder"].instances = {"vision_encoder": 2}
+    repos = render(Topology.model_validate(topo.model_dump()), tmp_path)
+    prefill = json.loads((repos["prefill"] / "prefill" / "1" / "model.json").read_text())
+    decode = json.loads((repos["front"] / "decode" / "1" / "model.json").read_text())
+    assert prefill["max_num_seqs"] == 4 and decode["max_num_seqs"] == 16
+    assert "count: 2" in (repos["encoder"] / "vision_encoder" / "config.pbtxt").read_text()
+    assert "count: 1" in (repos["encoder"] / "encode" / "config.pbtxt").read_text()
+
+
+def test_instances_of_a_model_the_server_does_not_host_are_rejected():
+    with pytest.raises(ValueError, match="sets instances of 'prefill', which it does not host"):
+        Topology(
+            model=Path("/m"),
+            servers={
+                "a": ServerSpec(
+                    http_port=1,
+                    grpc_port=2,
+                    metrics_port=3,
+                    stages=["aggregated"],
+                    instances={"prefill": 2},
+                )
+            },
+        )
