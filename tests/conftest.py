@@ -63,3 +63,14 @@ def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:
 def epd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     """The three-server EPD deployment, started once per module and always stopped."""
     yield from running_stack(local_topology(tiny_model, EPD_LAYOUT), tmp_path_factory.mktemp("epd"))
+
+
+def assert_epd_matches_aggregated(topology: Topology, text: str, images: list[bytes]) -> None:
+    """Greedy text of ``epd`` equals the aggregated engine's on the same front (gRPC stream)."""
+    from orchestrator.client import stream
+
+    front = topology.server_of("epd")[1]
+    sampling = {"max_tokens": 16, "temperature": 0}
+    epd = stream(front.grpc_url, "epd", text, images, sampling)
+    aggregated = stream(front.grpc_url, "aggregated", text, images, sampling)
+    assert "".join(epd) == "".join(aggregated) != ""

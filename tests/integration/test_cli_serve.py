@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.client import generate, sample_photo
+from orchestrator.config import Topology
 from tests.conftest import local_topology
 
 pytestmark = pytest.mark.server
@@ -56,21 +57,23 @@ def _session_processes(sid: int) -> list[str]:
     return [ln for ln in out.splitlines()[1:] if ln.split()[1] == str(sid)]
 
 
-def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
-    # Two servers in the file; `--server front` starts only this "host's" one.
-    topology = local_topology(tiny_model, {"front": ["aggregated"], "elsewhere": ["aggregated"]})
+def _serve_command(
+    model: Path, tmp_path: Path, layout: dict[str, list[str]]
+) -> tuple[Topology, list[str]]:
+    """A topology file for ``layout`` on free ports, and the `epd serve` command line for it
+    (work directory ``tmp_path/work``)."""
+    topology = local_topology(model, layout)
     config = tmp_path / "topology.yaml"
     config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "serve",
-        "--topology",
-        str(config),
-        "--workdir",
-        str(tmp_path / "work"),
-    ]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--topology", str(config)]
+    return topology, [*cmd, "--workdir", str(tmp_path / "work")]
+
+
+def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
+    # Two servers in the file; `--server front` starts only this "host's" one.
+    topology, cmd = _serve_command(
+        tiny_model, tmp_path, {"front": ["aggregated"], "elsewhere": ["aggregated"]}
+    )
     cmd += ["--server", "front"]
     proc = subprocess.Popen(
         cmd + ["--demo"],
@@ -115,20 +118,8 @@ def _processes_mentioning(text: str) -> list[str]:
 
 def test_killed_serve_takes_its_servers_down(tiny_model: Path, tmp_path: Path):
     """Even SIGKILL (no chance to clean up) must not orphan Triton servers or engines."""
-    topology = local_topology(tiny_model, {"front": ["aggregated"]})
-    config = tmp_path / "topology.yaml"
-    config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
+    _, cmd = _serve_command(tiny_model, tmp_path, {"front": ["aggregated"]})
     workdir = tmp_path / "work"
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "serve",
-        "--topology",
-        str(config),
-        "--workdir",
-        str(workdir),
-    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _Lines(proc).until("serving; Ctrl-C to stop", timeout=400)

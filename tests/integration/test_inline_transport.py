@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.client import sample_photo, stream
+from orchestrator.client import sample_photo
 from orchestrator.config import Topology, TransferSpec
-from tests.conftest import EPD_LAYOUT, local_topology, running_stack
+from tests.conftest import EPD_LAYOUT, assert_epd_matches_aggregated, local_topology, running_stack
 
 pytestmark = pytest.mark.server
 
@@ -29,8 +29,4 @@ def inline_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ],
 )
 def test_inline_embeddings_match_aggregated(inline_stack, text, images):
-    front = inline_stack.server_of("epd")[1]
-    sampling = {"max_tokens": 16, "temperature": 0}
-    epd = stream(front.grpc_url, "epd", text, images, sampling)
-    aggregated = stream(front.grpc_url, "aggregated", text, images, sampling)
-    assert "".join(epd) == "".join(aggregated) != ""
+    assert_epd_matches_aggregated(inline_stack, text, images)

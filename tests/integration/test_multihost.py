@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.client import sample_photo, stream
 from orchestrator.config import ServerSpec, Topology
-from tests.conftest import EPD_LAYOUT, pool_metrics, running_stack
+from tests.conftest import EPD_LAYOUT, assert_epd_matches_aggregated, pool_metrics, running_stack
 from tests.integration.netns import can_create_namespaces, isolated_hosts
 
 pytestmark = [
@@ -70,11 +70,7 @@ def test_servers_live_on_their_own_hosts(multihost_stack):
     ],
 )
 def test_epd_across_hosts_matches_aggregated(multihost_stack, text, images):
-    front = multihost_stack.server_of("epd")[1]
-    sampling = {"max_tokens": 16, "temperature": 0}
-    epd = stream(front.grpc_url, "epd", text, images, sampling)
-    aggregated = stream(front.grpc_url, "aggregated", text, images, sampling)
-    assert "".join(epd) == "".join(aggregated) != ""
+    assert_epd_matches_aggregated(multihost_stack, text, images)
 
 
 def _encoded_requests(server: ServerSpec) -> float:
