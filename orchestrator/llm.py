@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,18 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from orchestrator.config import Topology
+from orchestrator.ports import free_ports
 from orchestrator.protocol import InvalidRequest, SamplingOptions
 
 if TYPE_CHECKING:
     from orchestrator.triton.runner import ModelContext
 
 LLMRole = Literal["prefill", "decode", "aggregated"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any]:
@@ -64,7 +58,7 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
     if role in ("prefill", "decode"):
         host = topology.servers[server].host
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port(host))
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1, host)[0])
     return env
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ServerSpec, Topology
-from orchestrator.triton.deployment import free_ports
+from orchestrator.ports import free_ports
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.config import Topology
+from orchestrator.ports import free_ports
 from orchestrator.triton.repository import render
 from orchestrator.triton.server import TritonServer
 
@@ -30,15 +31,6 @@ def _port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` right now."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def on_free_ports(topology: Topology) -> Topology:
