@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -62,39 +60,3 @@ class PoolMetrics:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._gauges.clear()  # metrics go before their families, as Triton requires
-
-
-LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-
-
-class StageLatency:
-    """Histogram ``epd_stage_latency_seconds{stage=...}`` of the front's calls to each stage,
-    so a slow hop shows up on the front's ``/metrics`` without tracing."""
-
-    STAGES = ("encode", "prefill", "decode_first_token", "decode")
-
-    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
-        self._family = pb_utils.MetricFamily(
-            name="epd_stage_latency_seconds",
-            description="Latency of the epd front's calls to each stage",
-            kind=pb_utils.MetricFamily.HISTOGRAM,
-        )
-        self._metrics = {
-            stage: self._family.Metric(labels={**labels, "stage": stage}, buckets=LATENCY_BUCKETS_S)
-            for stage in self.STAGES
-        }
-
-    def observe(self, stage: str, seconds: float) -> None:
-        self._metrics[stage].observe(seconds)
-
-    @contextlib.contextmanager
-    def timed(self, stage: str) -> Iterator[None]:
-        """Observe the block's duration (also when it fails: slow failures matter too)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.observe(stage, time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._metrics.clear()  # metrics go before their family, as Triton requires

@@ -7,7 +7,6 @@ encoder answers handles, prefill pulls the embeddings itself, decode pulls the K
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -15,7 +14,6 @@ import numpy as np
 
 from orchestrator.config import StageName
 from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
-from orchestrator.metrics import StageLatency
 from orchestrator.protocol import (
     DecodeRequest,
     EncodeResult,
@@ -56,7 +54,6 @@ class EPDPipeline:
                     )
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets)
-        self.latency = StageLatency(ctx.pb_utils, {"server": ctx.server})
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EPDPipeline:
@@ -70,14 +67,14 @@ class EPDPipeline:
         handles = []
         if request.images:
             images = {"image": np.array(request.images, dtype=np.object_)}
-            with self.routes["encode"].pick() as encoder, self.latency.timed("encode"):
+            with self.routes["encode"].pick() as encoder:
                 encoded = await encoder.call_one("encode", images, ["handles"])
             handles = from_tensor(encoded, "handles", EncodeResult).handles
         grids = [h.image_grid_thw for h in handles]
         self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
 
         prefill = PrefillRequest(request_id=request_id, prompt=prompt, handles=handles)
-        with self.routes["prefill"].pick() as prefiller, self.latency.timed("prefill"):
+        with self.routes["prefill"].pick() as prefiller:
             prefilled = await prefiller.call_one(
                 "prefill", to_tensor("request", prefill), ["result"]
             )
@@ -91,25 +88,16 @@ class EPDPipeline:
             sampling=request.sampling,
             kv_transfer_params=result.kv_transfer_params,
         )
-        with self.routes["decode"].pick() as decoder, self.latency.timed("decode"):
+        with self.routes["decode"].pick() as decoder:
             deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"])
-            texts = _texts(deltas, self.latency, time.perf_counter())
-            async for response in text_responses(texts, request.stream):
+            async for response in text_responses(_texts(deltas), request.stream):
                 yield response
 
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
-        self.latency.close()
 
 
-async def _texts(
-    responses: AsyncIterator[Tensors], latency: StageLatency, start: float
-) -> AsyncIterator[str]:
-    """Decode's text pieces; the first one's arrival is the decode hop's time to first token."""
-    first = True
+async def _texts(responses: AsyncIterator[Tensors]) -> AsyncIterator[str]:
     async for tensors in responses:
-        if first:
-            latency.observe("decode_first_token", time.perf_counter() - start)
-            first = False
         yield _message(tensors, "text_output").decode("utf-8")

@@ -39,19 +39,15 @@ EPD_LAYOUT = {
 """The embedded default's shape: three servers, as `epd serve` runs them."""
 
 
-def scrape(server: ServerSpec) -> list[str]:
-    """The sample lines of a server's Prometheus ``/metrics``."""
-    url = f"http://{server.host}:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return [ln for ln in response.read().decode().splitlines() if not ln.startswith("#")]
-
-
 def pool_metrics(encoder: ServerSpec) -> dict[str, float]:
-    """An encoder server's ``epd_embedding_pool_*`` gauges."""
+    """An encoder server's ``epd_embedding_pool_*`` gauges, scraped from its ``/metrics``."""
+    url = f"http://{encoder.host}:{encoder.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
     prefix = "epd_embedding_pool_"
     return {
         line[len(prefix) : line.index("{")]: float(line.rsplit(" ", 1)[1])
-        for line in scrape(encoder)
+        for line in lines
         if line.startswith(prefix)
     }
 
