@@ -25,7 +25,11 @@ pytestmark = [
 
 LAYOUTS = {
     "E/P/D": EPD_LAYOUT,
-    "2E/P/D": {"encoder1": ["encode"], "encoder2": ["encode"], **EPD_LAYOUT},
+    "2E/P/D": {
+        "encoder1": ["encode"],
+        "encoder2": ["encode"],
+        **{name: stages for name, stages in EPD_LAYOUT.items() if name != "encoder"},
+    },
 }
 
 
