@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,15 @@ import pytest
 
 from orchestrator.config import ServerSpec, Topology
 from orchestrator.ports import free_ports
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+# A CI runner or a person stopping the suite with SIGTERM must still get the fixtures'
+# teardown (servers stopped, network namespaces deleted); pytest does that on Ctrl-C only.
+signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
