@@ -16,8 +16,15 @@ from pathlib import Path
 from orchestrator.config import StageName, Topology
 from orchestrator.llm import engine_args
 
-SOURCE = Path(__file__).resolve().parents[2] / "model_repository"
-"""The adapters shipped with the package (config.pbtxt + 1/model.py per model)."""
+_PACKAGE = Path(__file__).resolve().parents[1]
+SOURCE = _PACKAGE / "model_repository"
+"""The adapters (config.pbtxt + 1/model.py per model). A wheel has them here: pyproject.toml
+maps the top-level ``model_repository/`` into the package."""
+if not SOURCE.is_dir():
+    # An editable install or a checkout: the folder itself. (setuptools' editable finder
+    # cannot import the mapped orchestrator.model_repository, which has no __init__.py:
+    # pypa/setuptools#4943, so importlib.resources cannot find it either.)
+    SOURCE = _PACKAGE.parent / "model_repository"
 
 MODELS: dict[StageName, tuple[str, ...]] = {
     "encode": ("encode", "vision_encoder"),
