@@ -75,9 +75,19 @@ class TransferSpec(_Spec):
     """``nixl``: metadata-only handle, prefill pulls with a NIXL READ. ``inline``: bytes in
     the request (A/B baseline)."""
     pool_bytes: int = Field(default=64 << 20, gt=0)
-    """Size of the encoder's NIXL-registered DRAM pool, registered once at start."""
+    """Byte budget of each encoder's embedding cache (for NIXL: the DRAM pool registered
+    once at start)."""
+    cache: bool = True
+    """Keep embeddings after prefill pulled them, keyed by image content, so repeated images
+    skip the encoder (LRU within ``pool_bytes``). Off: freed once pulled (A/B baseline)."""
     ttl_s: float = Field(default=60.0, gt=0)
-    """Seconds after which an encoder reclaims a slot nobody pulled."""
+    """Lifetime of a handle; one nobody pulled stops pinning its embedding after it."""
+    reclaim_grace_s: float = Field(default=10.0, ge=0)
+    """Extra time past ``ttl_s`` before an unpulled embedding may be evicted (above the
+    consumer's 5 s READ timeout, so a late READ never sees its slot reused)."""
+    full_wait_s: float = Field(default=2.0, ge=0)
+    """How long an encode waits for room when the cache is full of pinned embeddings before
+    it fails with UNAVAILABLE."""
 
 
 class EncoderSpec(_Spec):
@@ -126,6 +136,22 @@ class Limits(_Spec):
     """Deadline of one remote stage call; past it the request fails instead of hanging."""
 
 
+class RoutingSpec(_Spec):
+    """How the ``epd`` front picks servers and notices dead ones."""
+
+    health_interval_s: float = Field(default=1.0, gt=0)
+    """Period of the readiness probe of every remote stage server (dead ones are taken out
+    of rotation, recovered ones re-admitted)."""
+    probe_timeout_s: float = Field(default=1.0, gt=0)
+    """A server that does not answer its probe within this is treated as down."""
+    reuse_index_entries: int = Field(default=65536, ge=0)
+    """Images remembered per front for cache-aware routing to the encoder holding them
+    (0 turns cache-aware routing off)."""
+    encode_attempts: int = Field(default=3, ge=1)
+    """Encoders an image is tried on before the request fails (encoders are stateless
+    apart from their cache, so a failed encode is retried on another one)."""
+
+
 class Topology(_Spec):
     """A whole deployment: servers, what each hosts, and the knobs of every stage."""
 
@@ -136,6 +162,7 @@ class Topology(_Spec):
     transfer: TransferSpec = Field(default_factory=TransferSpec)
     encoder: EncoderSpec = Field(default_factory=EncoderSpec)
     llm: LLMSpec = Field(default_factory=LLMSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     limits: Limits = Field(default_factory=Limits)
 
     @model_validator(mode="after")

@@ -7,6 +7,8 @@ Triton plumbing) and raise ``StageError`` subclasses for errors a client should 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,15 +18,18 @@ from orchestrator.frontend import PromptBuilder, parse_front_request, text_respo
 from orchestrator.llm import LLMEngine, image_input, to_vllm_sampling
 from orchestrator.protocol import (
     DecodeRequest,
+    EmbeddingHandle,
     EncodeResult,
     InvalidRequest,
     PrefillRequest,
     PrefillResult,
     StageError,
+    Unavailable,
     from_tensor,
     to_tensor,
 )
 from orchestrator.stage_client import BlsStageClient
+from orchestrator.transfer.base import PoolFullError
 from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
@@ -36,63 +41,109 @@ async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
 
 
 class EncodeHandler:
-    """Decode + preprocess images, run ``vision_encoder`` (BLS), park the embeddings in the
-    transfer pool and answer with metadata-only handles."""
+    """Decode + preprocess images, answer cached ones from the encoder cache, run
+    ``vision_encoder`` (BLS) on the rest, and answer with metadata-only handles."""
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.encoder.preprocess import PreprocessConfig
-        from orchestrator.metrics import PoolMetrics
+        from orchestrator.metrics import MetricsPublisher, publish_producer
         from orchestrator.transfer import make_producer
 
         topo = ctx.topology
+        spec = topo.transfer
         self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
         self.encoder_id = ctx.params["encoder_id"]
+        self.full_wait_s = spec.full_wait_s
         self.bls = BlsStageClient(ctx.pb_utils, topo.limits.stage_timeout_s)
         self.producer = make_producer(
-            topo.transfer.kind,
-            pool_bytes=topo.transfer.pool_bytes,
-            ttl_s=topo.transfer.ttl_s,
+            spec.kind,
+            pool_bytes=spec.pool_bytes,
+            cache=spec.cache,
+            ttl_s=spec.ttl_s,
+            reclaim_grace_s=spec.reclaim_grace_s,
             host=topo.servers[ctx.server].host,
         )
-        labels = {"server": ctx.server, "transport": topo.transfer.kind}
-        self.metrics = PoolMetrics(ctx.pb_utils, self.producer, labels)
+        self._encoding: dict[str, asyncio.Future] = {}  # content hash -> its encoder pass
+        self.metrics = MetricsPublisher(
+            ctx.pb_utils, {"server": ctx.server, "transport": spec.kind}
+        )
+        publish_producer(self.metrics, self.producer.stats)
+        self.encode_seconds = self.metrics.histogram(
+            "epd_encoder_pass_seconds", "Time of one vision encoder pass (one image)"
+        )
         self.metrics.start()  # on the runner's loop: handlers are built there
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EncodeHandler:
         return cls(ctx)
 
-    def _prepare(self, i: int, data: bytes) -> tuple[np.ndarray, tuple[int, int, int], str]:
-        from orchestrator.encoder.preprocess import content_hash, decode_image, preprocess
+    def _prepare(self, i: int, data: bytes) -> tuple[Any, str]:
+        from orchestrator.encoder.preprocess import content_hash, decode_image
 
         try:
             image = decode_image(data)
-            pixel_values, grid = preprocess(image, self.preprocess_config)
         except ValueError as exc:
             raise InvalidRequest(f"image {i}: {exc}") from None
-        return pixel_values, grid, content_hash(image, self.preprocess_config, self.encoder_id)
+        return image, content_hash(image, self.preprocess_config, self.encoder_id)
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def _encode(self, image: Any, digest: str) -> EmbeddingHandle:
+        """Run the encoder on an image nobody holds; one pass per content hash at a time."""
+        from orchestrator.encoder.preprocess import preprocess
         from orchestrator.encoder.runtime import graph_inputs
 
+        loop = asyncio.get_running_loop()
+        pixel_values, grid = await loop.run_in_executor(
+            None, preprocess, image, self.preprocess_config
+        )
+        feeds = graph_inputs(pixel_values, grid, self.preprocess_config.merge_size)
+        start = time.perf_counter()
+        out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"])
+        self.encode_seconds.observe(time.perf_counter() - start)
+        deadline = time.monotonic() + self.full_wait_s
+        while True:
+            try:
+                return self.producer.put(
+                    out["image_embeds"], image_grid_thw=grid, content_hash=digest
+                )
+            except PoolFullError as exc:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
+            await asyncio.sleep(0.01)
+
+    async def _handle(self, image: Any, digest: str) -> EmbeddingHandle:
+        while True:
+            if (handle := self.producer.lookup(digest)) is not None:
+                return handle
+            pending = self._encoding.get(digest)
+            if pending is None:
+                break
+            with contextlib.suppress(Exception):  # its failure is its own request's
+                await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._encoding[digest] = future
+        try:
+            handle = await self._encode(image, digest)
+            future.set_result(None)
+            return handle
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters only use it as a signal
+            raise
+        finally:
+            del self._encoding[digest]
+
+    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         images = inputs["image"].reshape(-1)
-        handles = []
+        handles: list[EmbeddingHandle] = []
         loop = asyncio.get_running_loop()
         try:
             for i, data in enumerate(images):
-                pixel_values, grid, digest = await loop.run_in_executor(
-                    None, self._prepare, i, bytes(data)
-                )
-                feeds = graph_inputs(pixel_values, grid, self.preprocess_config.merge_size)
-                out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"])
-                handles.append(
-                    self.producer.put(out["image_embeds"], image_grid_thw=grid, content_hash=digest)
-                )
-        except Exception:
+                image, digest = await loop.run_in_executor(None, self._prepare, i, bytes(data))
+                handles.append(await self._handle(image, digest))
+        except BaseException:
             for handle in handles:  # nobody will pull these
                 self.producer.release(handle.handle_id)
             raise
-        self.metrics.update()
         yield to_tensor("handles", EncodeResult(handles=handles))
 
     async def close(self) -> None:
@@ -104,14 +155,34 @@ class PrefillHandler:
     """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
 
     def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.metrics import MetricsPublisher
         from orchestrator.transfer import make_consumer
 
+        kind = ctx.topology.transfer.kind
         self.engine = LLMEngine.for_model(ctx, "prefill")
-        self.consumer = make_consumer(ctx.topology.transfer.kind)
+        self.consumer = make_consumer(kind)
+        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "transport": kind})
+        self.fetch_seconds = self.metrics.histogram(
+            "epd_embedding_fetch_seconds", "Time to pull one image's embeddings from its encoder"
+        )
+        self.fetched_bytes = 0
+        self.metrics.counter(
+            "epd_embedding_fetch_bytes_total",
+            "Embedding bytes pulled from encoders",
+            lambda: self.fetched_bytes,
+        )
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> PrefillHandler:
-        return cls(ctx)
+        handler = cls(ctx)
+        handler.metrics.start()
+        return handler
+
+    def _fetch(self, handle: EmbeddingHandle) -> np.ndarray:
+        start = time.perf_counter()
+        embeds = self.consumer.fetch(handle)
+        self.fetch_seconds.observe(time.perf_counter() - start)
+        return embeds
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
@@ -119,9 +190,9 @@ class PrefillHandler:
         if request.handles:
             loop = asyncio.get_running_loop()
             embeds = [
-                await loop.run_in_executor(None, self.consumer.fetch, handle)
-                for handle in request.handles
+                await loop.run_in_executor(None, self._fetch, handle) for handle in request.handles
             ]
+            self.fetched_bytes += sum(e.nbytes for e in embeds)  # on the loop thread only
             images = image_input([h.image_grid_thw for h in request.handles], embeds)
         from vllm import SamplingParams
 
@@ -144,6 +215,7 @@ class PrefillHandler:
         )
 
     async def close(self) -> None:
+        await self.metrics.stop()
         self.engine.shutdown()
         self.consumer.close()
 

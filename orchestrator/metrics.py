@@ -1,55 +1,109 @@
 """Prometheus metrics published through Triton's python-backend metric API.
 
 They appear on the hosting server's ``/metrics`` next to Triton's own series, so one scrape
-config covers the whole deployment.
+config covers the whole deployment. Handlers record into plain Python objects; one task on
+the model's event loop copies them into Triton every ``period_s``. Only gauges and counters
+reach the metric API: the 2.51 stub crashed with its HISTOGRAM kind, so a
+:class:`Histogram` is published the way Prometheus lays one out -- ``_bucket{le=...}``,
+``_sum`` and ``_count`` counter series -- and ``histogram_quantile`` works on it as usual.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
-from dataclasses import asdict
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from orchestrator.transfer.base import EmbeddingProducer
-
-POOL_GAUGES = {
-    "slots_in_use": "Embedding handles parked in the encoder pool, not yet pulled",
-    "bytes_in_use": "Bytes of the encoder pool held by parked embeddings",
-    "bytes_free": "Free bytes in the encoder pool",
-    "pool_bytes": "Size of the encoder pool (registered once with NIXL)",
-    "reclaimed_expired": "Handles reclaimed because nobody pulled them before their TTL",
-}
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Bucket bounds for latencies, 1 ms .. 10 s."""
 
 
-class PoolMetrics:
-    """Gauges ``epd_embedding_pool_*`` mirroring a producer's stats.
+class Histogram:
+    """Cumulative bucket counts, sum and count of observations; thread-safe."""
 
-    Slots are freed asynchronously (by the consumer's NIXL notification or by TTL), so the
-    gauges are refreshed on a timer as well as after every put.
-    """
+    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.bounds) + 1)  # last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
 
-    def __init__(self, pb_utils: Any, producer: EmbeddingProducer, labels: dict[str, str]):
-        self._producer = producer
-        self._gauges = {}
-        for field, doc in POOL_GAUGES.items():
-            family = pb_utils.MetricFamily(
-                name=f"epd_embedding_pool_{field}",
-                description=doc,
-                kind=pb_utils.MetricFamily.GAUGE,
-            )
-            self._gauges[field] = (family, family.Metric(labels=labels))
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, value)] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[int], float, int]:
+        """(cumulative count per bound incl. +Inf, sum, count)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return cumulative, total, running
+
+
+class MetricsPublisher:
+    """The metric families of one model instance and the task that keeps them current."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        self._pb = pb_utils
+        self._labels = labels
+        self._families: dict[str, Any] = {}
+        self._updates: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
 
-    def update(self) -> None:
-        for field, value in asdict(self._producer.stats()).items():
-            if field in self._gauges:
-                self._gauges[field][1].set(float(value))
+    def _metric(self, name: str, doc: str, kind: str, labels: dict[str, str]) -> Any:
+        family = self._families.get(name)
+        if family is None:
+            mf = self._pb.MetricFamily
+            family = mf(name=name, description=doc, kind=getattr(mf, kind))
+            self._families[name] = family
+        return family.Metric(labels={**self._labels, **labels})
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None:
+        metric = self._metric(name, doc, "GAUGE", labels)
+        self._updates.append(lambda: metric.set(float(read())))
+
+    def counter(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None:
+        """A counter mirroring ``read()``, which must never decrease."""
+        metric = self._metric(name, doc, "COUNTER", labels)
+        published = [0.0]
+
+        def update() -> None:
+            value = float(read())
+            if value > published[0]:
+                metric.increment(value - published[0])
+                published[0] = value
+
+        self._updates.append(update)
+
+    def histogram(self, name: str, doc: str, **labels: str) -> Histogram:
+        hist = Histogram()
+        bounds = [*map(str, hist.bounds), "+Inf"]
+        for i, le in enumerate(bounds):
+            self.counter(f"{name}_bucket", doc, lambda i=i: hist.snapshot()[0][i], le=le, **labels)
+        self.counter(f"{name}_sum", doc, lambda: hist.snapshot()[1], **labels)
+        self.counter(f"{name}_count", doc, lambda: hist.snapshot()[2], **labels)
+        return hist
+
+    def on_publish(self, update: Callable[[], None]) -> None:
+        """Run ``update`` at the start of every publish (e.g. to take one snapshot)."""
+        self._updates.insert(0, update)
+
+    def publish(self) -> None:
+        for update in self._updates:
+            update()
 
     def start(self, period_s: float = 0.5) -> None:
+        """Publish every ``period_s`` from the running loop (the one handlers are built on)."""
+
         async def refresh() -> None:
             while True:
-                self.update()
+                self.publish()
                 await asyncio.sleep(period_s)
 
         self._task = asyncio.get_running_loop().create_task(refresh())
@@ -59,4 +113,32 @@ class PoolMetrics:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._gauges.clear()  # metrics go before their families, as Triton requires
+        self._updates.clear()  # metrics go before their families, as Triton requires
+        self._families.clear()
+
+
+CACHE_GAUGES = {
+    "entries": "Embeddings held in the encoder cache, pinned or not",
+    "pinned_handles": "Handles lent out by the encoder and not yet pulled",
+    "bytes_in_use": "Bytes of the encoder cache in use",
+    "bytes_free": "Free bytes in the encoder cache",
+    "pool_bytes": "Byte budget of the encoder cache (for NIXL: the registered pool)",
+}
+CACHE_COUNTERS = {
+    "hits": "Images answered from the encoder cache (no encoder pass)",
+    "misses": "Images the encoder had to encode",
+    "evictions": "Unpinned embeddings evicted to make room",
+    "expired": "Handles unpinned because nobody pulled them before their TTL",
+}
+
+
+def publish_producer(publisher: MetricsPublisher, stats: Callable[[], Any]) -> None:
+    """``epd_encoder_cache_*`` series from a producer's ``stats()``, one snapshot a publish."""
+    snapshot = [stats()]
+    publisher.on_publish(lambda: snapshot.__setitem__(0, stats()))
+    for field, doc in CACHE_GAUGES.items():
+        read = lambda f=field: getattr(snapshot[0], f)  # noqa: E731
+        publisher.gauge(f"epd_encoder_cache_{field}", doc, read)
+    for field, doc in CACHE_COUNTERS.items():
+        read = lambda f=field: getattr(snapshot[0], f)  # noqa: E731
+        publisher.counter(f"epd_encoder_cache_{field}_total", doc, read)

@@ -7,6 +7,10 @@ encoder answers handles, prefill pulls the embeddings itself, decode pulls the K
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,17 +20,21 @@ from orchestrator.config import StageName
 from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
 from orchestrator.protocol import (
     DecodeRequest,
+    EmbeddingHandle,
     EncodeResult,
     PrefillRequest,
     PrefillResult,
+    StageUnreachable,
+    Unavailable,
     from_tensor,
     to_tensor,
 )
-from orchestrator.router import StageRoute
+from orchestrator.router import HealthMonitor, ReuseIndex, StageRoute
 from orchestrator.stage_client import BlsStageClient, GrpcStageClient, StageClient
 from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
+log = logging.getLogger(__name__)
 
 
 def _message(tensors: Tensors, name: str) -> bytes:
@@ -34,11 +42,21 @@ def _message(tensors: Tensors, name: str) -> bytes:
 
 
 class EPDPipeline:
-    """Handler of the ``epd`` model: validate, encode, prefill, then stream decode."""
+    """Handler of the ``epd`` model: validate, encode, prefill, then stream decode.
+
+    Failure policy: an image whose encode fails with UNAVAILABLE (encoder dead, its cache
+    full) is retried on another encoder; if prefill cannot pull the embeddings (their
+    encoder died after answering), the images are encoded again elsewhere and prefill is
+    retried once. Prefill and decode are not retried: a dead one fails the request at once
+    with a message naming it, and is skipped until its readiness probe passes again.
+    """
 
     def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.metrics import MetricsPublisher
+
         topo = ctx.topology
         self.limits = topo.limits
+        self.routing = topo.routing
         self.prompts = PromptBuilder.for_topology(topo, ("prefill", "decode"))
         timeout = topo.limits.stage_timeout_s
         self._clients: dict[str, StageClient] = {}
@@ -54,31 +72,71 @@ class EPDPipeline:
                     )
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets)
+        self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
+        self.health = HealthMonitor(
+            self.routes.values(), topo.routing.health_interval_s, topo.routing.probe_timeout_s
+        )
+        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
+        self.seconds = {
+            phase: self.metrics.histogram(
+                "epd_request_phase_seconds",
+                "Latency of the phases of an epd request: encode (all images), prefill "
+                "(incl. pulling embeddings), first_token and request (from arrival)",
+                phase=phase,
+            )
+            for phase in ("encode", "prefill", "first_token", "request")
+        }
+        for stage, route in self.routes.items():
+            for name in route.targets:
+                self.metrics.gauge(
+                    "epd_stage_outstanding",
+                    "Calls in flight from this front to a stage server (its queue from here)",
+                    lambda r=route, n=name: r.outstanding[n],
+                    stage=stage,
+                    target=name,
+                )
+                self.metrics.gauge(
+                    "epd_stage_server_up",
+                    "1 while a stage server is in rotation, 0 while it is taken out",
+                    lambda r=route, n=name: 0 if r.is_down(n) else 1,
+                    stage=stage,
+                    target=name,
+                )
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EPDPipeline:
-        return cls(ctx)
+        pipeline = cls(ctx)
+        pipeline.metrics.start()
+        pipeline.health.start()
+        return pipeline
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+        start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
         request_id = uuid.uuid4().hex
         prompt = self.prompts.build(request.text, len(request.images))
 
-        handles = []
-        if request.images:
-            images = {"image": np.array(request.images, dtype=np.object_)}
-            with self.routes["encode"].pick() as encoder:
-                encoded = await encoder.call_one("encode", images, ["handles"])
-            handles = from_tensor(encoded, "handles", EncodeResult).handles
+        handles, holders = await self._encode_all(request.images)
+        encoded = time.perf_counter()
         grids = [h.image_grid_thw for h in handles]
         self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
-
-        prefill = PrefillRequest(request_id=request_id, prompt=prompt, handles=handles)
-        with self.routes["prefill"].pick() as prefiller:
-            prefilled = await prefiller.call_one(
-                "prefill", to_tensor("request", prefill), ["result"]
-            )
-        result = from_tensor(prefilled, "result", PrefillResult)
+        try:
+            result = await self._prefill(request_id, prompt, handles)
+        except Unavailable as exc:
+            if not handles or isinstance(exc, StageUnreachable):
+                raise
+            # Prefill is up but could not pull the embeddings: find out which encoders are
+            # gone, then encode again (elsewhere if need be) and retry once.
+            log.warning("request %s: prefill could not pull embeddings (%s)", request_id, exc)
+            route = self.routes["encode"]
+            for name in set(holders):
+                if not await route.probe(name, self.routing.probe_timeout_s):
+                    self.reuse.forget_server(name)
+            handles, holders = await self._encode_all(request.images)
+            result = await self._prefill(request_id, prompt, handles)
+        prefilled = time.perf_counter()
+        self.seconds["encode"].observe(encoded - start)
+        self.seconds["prefill"].observe(prefilled - encoded)
 
         decode = DecodeRequest(
             request_id=request_id,
@@ -88,12 +146,73 @@ class EPDPipeline:
             sampling=request.sampling,
             kv_transfer_params=result.kv_transfer_params,
         )
-        with self.routes["decode"].pick() as decoder:
-            deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"])
-            async for response in text_responses(_texts(deltas), request.stream):
-                yield response
+        route = self.routes["decode"]
+        name = route.choose()
+        try:
+            with route.use(name) as decoder:
+                deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"])
+                first = True
+                async for response in text_responses(_texts(deltas), request.stream):
+                    if first:
+                        self.seconds["first_token"].observe(time.perf_counter() - start)
+                        first = False
+                    yield response
+        except StageUnreachable as exc:
+            route.mark_down(name, str(exc))
+            raise
+        self.seconds["request"].observe(time.perf_counter() - start)
+
+    async def _encode_all(self, images: list[bytes]) -> tuple[list[EmbeddingHandle], list[str]]:
+        """One handle per image (encoded in parallel) and the encoder that holds each."""
+        done = await asyncio.gather(*(self._encode_one(image) for image in images))
+        return [handle for handle, _ in done], [name for _, name in done]
+
+    async def _encode_one(self, image: bytes) -> tuple[EmbeddingHandle, str]:
+        route = self.routes["encode"]
+        key = hashlib.sha256(image).hexdigest()  # cheap; the encoder keys by decoded pixels
+        tried: list[str] = []
+        last: Unavailable | None = None
+        for _ in range(self.routing.encode_attempts):
+            try:
+                name = route.choose(prefer=self.reuse.holder(key), exclude=tried)
+            except Unavailable:
+                if last is None:
+                    raise
+                break
+            if self.reuse.max_entries:
+                self.reuse.record(key, name)
+            try:
+                with route.use(name) as encoder:
+                    images = {"image": np.array([image], dtype=np.object_)}
+                    out = await encoder.call_one("encode", images, ["handles"])
+                return from_tensor(out, "handles", EncodeResult).handles[0], name
+            except Unavailable as exc:
+                self.reuse.forget(key, name)
+                if isinstance(exc, StageUnreachable):
+                    route.mark_down(name, str(exc))
+                    self.reuse.forget_server(name)
+                log.warning("encode on %s failed, trying another encoder: %s", name, exc)
+                tried.append(name)
+                last = exc
+        raise last
+
+    async def _prefill(
+        self, request_id: str, prompt: str, handles: list[EmbeddingHandle]
+    ) -> PrefillResult:
+        route = self.routes["prefill"]
+        name = route.choose()
+        request = PrefillRequest(request_id=request_id, prompt=prompt, handles=handles)
+        try:
+            with route.use(name) as prefiller:
+                out = await prefiller.call_one("prefill", to_tensor("request", request), ["result"])
+        except StageUnreachable as exc:
+            route.mark_down(name, str(exc))
+            raise
+        return from_tensor(out, "result", PrefillResult)
 
     async def close(self) -> None:
+        await self.health.stop()
+        await self.metrics.stop()
         for client in self._clients.values():
             await client.close()
 

@@ -151,6 +151,11 @@ class Unavailable(StageError):
     code = "UNAVAILABLE"
 
 
+class StageUnreachable(Unavailable):
+    """A remote stage could not be reached or its stream broke (raised by the caller's
+    client, never sent over the wire): the server is presumed down."""
+
+
 class TransferError(Unavailable):
     """A handle could not be resolved (unknown, released, expired, or its host is gone)."""
 

@@ -1,46 +1,172 @@
-"""Which server serves a stage call when several host that stage.
+"""Which server serves a stage call when several host that stage, and which are alive.
 
-Least outstanding work: each call goes to the server with the fewest calls in flight from
-this front, ties broken round-robin so an idle cluster still spreads load. (Cache locality
-and health tracking build on this.)
+Least outstanding work among healthy servers: each call goes to the server with the fewest
+calls in flight from this front, ties broken round-robin so an idle cluster still spreads
+load; a caller may prefer one server (cache locality) or exclude some (retries). A server
+whose call failed at the transport level is taken out at once; a probe of every server's
+readiness (Triton's ready endpoint) runs in the background, taking out the ones that stop
+answering and re-admitting the ones that are back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
-from collections.abc import Iterator
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 
+from orchestrator.protocol import Unavailable
 from orchestrator.stage_client import StageClient
+
+log = logging.getLogger(__name__)
 
 
 class StageRoute:
-    """The servers hosting one stage, with the calls this process has in flight to each."""
+    """The servers hosting one stage: their clients, health and calls in flight."""
 
     def __init__(self, stage: str, targets: dict[str, StageClient]) -> None:
         if not targets:
             raise ValueError(f"no server hosts stage {stage!r}")
         self.stage = stage
-        self._targets = targets
+        self.targets = targets
         self._outstanding = dict.fromkeys(targets, 0)
+        self._down: dict[str, str] = {}  # name -> why
         self._turn = itertools.count()
 
     @property
     def outstanding(self) -> dict[str, int]:
         return dict(self._outstanding)
 
-    def choose(self) -> str:
-        names = list(self._targets)
+    @property
+    def healthy(self) -> list[str]:
+        return [name for name in self.targets if name not in self._down]
+
+    def choose(self, prefer: str | None = None, exclude: Iterable[str] = ()) -> str:
+        """``prefer`` when it is healthy and not excluded, else the least busy healthy one.
+
+        Raises ``Unavailable`` saying which servers are down and why when none is left.
+        """
+        excluded = set(exclude)
+        names = [n for n in self.healthy if n not in excluded]
+        if prefer in names:
+            return prefer
+        if not names:
+            down = "; ".join(f"{n}: {why}" for n, why in self._down.items()) or "none down"
+            tried = f" (already tried {sorted(excluded)})" if excluded else ""
+            raise Unavailable(f"no healthy {self.stage} server left{tried}; {down}")
         start = next(self._turn) % len(names)
         rotated = names[start:] + names[:start]
         return min(rotated, key=self._outstanding.__getitem__)
 
     @contextlib.contextmanager
-    def pick(self) -> Iterator[StageClient]:
-        """The chosen server's client, counted as busy until the block ends."""
-        name = self.choose()
+    def use(self, name: str) -> Iterator[StageClient]:
+        """``name``'s client, counted as busy until the block ends."""
         self._outstanding[name] += 1
         try:
-            yield self._targets[name]
+            yield self.targets[name]
         finally:
             self._outstanding[name] -= 1
+
+    @contextlib.contextmanager
+    def pick(self) -> Iterator[StageClient]:
+        """The least busy healthy server's client, counted as busy until the block ends."""
+        with self.use(self.choose()) as client:
+            yield client
+
+    def mark_down(self, name: str, why: str) -> None:
+        if name not in self._down:
+            log.warning("%s server %s taken out: %s", self.stage, name, why)
+        self._down[name] = why
+
+    def mark_up(self, name: str) -> None:
+        if self._down.pop(name, None) is not None:
+            log.warning("%s server %s re-admitted", self.stage, name)
+
+    def is_down(self, name: str) -> bool:
+        return name in self._down
+
+    async def probe(self, name: str, timeout_s: float) -> bool:
+        """Ask ``name`` whether it is ready; update its health; the answer."""
+        try:
+            ready = await asyncio.wait_for(self.targets[name].ready(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            ready, why = False, f"readiness probe failed: {exc or type(exc).__name__}"
+        else:
+            why = "not ready"
+        if ready:
+            self.mark_up(name)
+        else:
+            self.mark_down(name, why)
+        return ready
+
+
+class HealthMonitor:
+    """Probes every server of some routes every ``interval_s`` on the running loop."""
+
+    def __init__(self, routes: Iterable[StageRoute], interval_s: float, timeout_s: float):
+        self.routes = list(routes)
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task | None = None
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(
+            *(route.probe(name, self.timeout_s) for route in self.routes for name in route.targets)
+        )
+
+    def start(self) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                await self.probe_all()
+
+        self._task = asyncio.get_running_loop().create_task(loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class ReuseIndex:
+    """Which encoder last took each image (by a digest of its bytes), LRU-bounded.
+
+    Routing an image to the encoder that holds it turns a would-be duplicate encode into a
+    cache hit there. Entries are recorded when a request is routed, before its encode
+    finishes, so concurrent requests for a new image meet on one encoder (which encodes
+    it once). An entry may be stale -- the encoder evicted the image -- which costs one
+    encode there, never a wrong answer: the encoder keys its cache by decoded pixels.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._holders: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def holder(self, key: str) -> str | None:
+        found = self._holders.get(key)
+        if found is not None:
+            self._holders.move_to_end(key)
+        return found
+
+    def record(self, key: str, server: str) -> None:
+        self._holders[key] = server
+        self._holders.move_to_end(key)
+        while len(self._holders) > self.max_entries:
+            self._holders.popitem(last=False)
+
+    def forget(self, key: str, server: str) -> None:
+        if self._holders.get(key) == server:
+            del self._holders[key]
+
+    def forget_server(self, server: str) -> int:
+        """Drop every image recorded on ``server`` (it died or restarted: its cache is gone)."""
+        keys = [k for k, s in self._holders.items() if s == server]
+        for key in keys:
+            del self._holders[key]
+        return len(keys)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.protocol import StageError, Unavailable, error_from_message
+from orchestrator.protocol import StageError, StageUnreachable, error_from_message
 
 Tensors = dict[str, np.ndarray]
 
@@ -53,6 +53,10 @@ class StageClient(ABC):
         if result is None:
             raise StageError(f"{model} answered no response")
         return result
+
+    async def ready(self) -> bool:
+        """Whether the hosting server is up and its models loaded."""
+        return True
 
     async def close(self) -> None:
         return None
@@ -166,7 +170,10 @@ class GrpcStageClient(StageClient):
         except StageError:
             raise
         except Exception as exc:  # grpc errors: unreachable, deadline, reset
-            raise Unavailable(f"{model} at {self._url} failed: {exc}") from None
+            raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
+
+    async def ready(self) -> bool:
+        return bool(await self._client.is_server_ready())
 
     async def close(self) -> None:
         await self._client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,17 +50,43 @@ EPD_LAYOUT = {
 """The embedded default's shape: three servers, as `epd serve` runs them."""
 
 
-def pool_metrics(encoder: ServerSpec) -> dict[str, float]:
-    """An encoder server's ``epd_embedding_pool_*`` gauges, scraped from its ``/metrics``."""
-    url = f"http://{encoder.host}:{encoder.metrics_port}/metrics"
+def scrape(server: ServerSpec, name: str, **labels: str) -> float:
+    """Sum of the series ``name`` on a server's ``/metrics`` whose labels include ``labels``."""
+    url = f"http://{server.host}:{server.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         lines = response.read().decode().splitlines()
-    prefix = "epd_embedding_pool_"
-    return {
-        line[len(prefix) : line.index("{")]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line.startswith(prefix)
-    }
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total, found = 0.0, False
+    for line in lines:
+        series, _, value = line.rpartition(" ")
+        if series.partition("{")[0] == name and all(w in series for w in wanted):
+            total += float(value)
+            found = True
+    if not found:
+        raise AssertionError(f"no series {name}{labels or ''} at {url}")
+    return total
+
+
+def cache_metrics(encoder: ServerSpec) -> dict[str, float]:
+    """An encoder server's ``epd_encoder_cache_*`` series (gauges and ``_total`` counters)."""
+    from orchestrator.metrics import CACHE_COUNTERS, CACHE_GAUGES
+
+    stats = {f: scrape(encoder, f"epd_encoder_cache_{f}") for f in CACHE_GAUGES}
+    stats.update({f: scrape(encoder, f"epd_encoder_cache_{f}_total") for f in CACHE_COUNTERS})
+    return stats
+
+
+def encoder_passes(encoder: ServerSpec) -> int:
+    """Vision encoder forward passes so far, by Triton's own count (not ours)."""
+    return int(scrape(encoder, "nv_inference_count", model="vision_encoder"))
+
+
+def wait_unpinned(encoder: ServerSpec, timeout_s: float = 10) -> dict[str, float]:
+    """The encoder's cache stats once every handle it lent was pulled (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := cache_metrics(encoder))["pinned_handles"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return stats
 
 
 def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:

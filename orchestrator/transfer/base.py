@@ -9,6 +9,7 @@ looked up by name and imported on first use, so choosing ``inline`` never loads 
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -18,8 +19,9 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.cache import Entry, EntryTable
 from orchestrator.config import TransferKind
-from orchestrator.protocol import EmbeddingHandle, TransferError
+from orchestrator.protocol import EmbeddingHandle, InlinePayload, NixlLocation, TransferError
 
 DTYPES = ("float32", "float16", "bfloat16")
 """Embedding dtypes a handle can carry (``bfloat16`` is numpy's via ``ml_dtypes``)."""
@@ -35,14 +37,19 @@ class ProducerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     pool_bytes: int = Field(default=64 << 20, gt=0)
-    """Size of the DRAM pool registered with NIXL once at start; ``put`` fails when full."""
+    """Byte budget of the cache (for NIXL: the DRAM pool registered once at start)."""
+    cache: bool = True
+    """Keep embeddings after they were pulled, for repeated images (LRU within
+    ``pool_bytes``); off: an entry is freed as soon as its last handle is pulled."""
     block_bytes: int = Field(default=64 << 10, gt=0)
     """Allocation unit of the pool; an embedding takes a contiguous run of blocks."""
     ttl_s: float = Field(default=60.0, gt=0)
-    """Lifetime of a handle; after it the consumer refuses the handle."""
+    """Lifetime of a handle; after it the consumer refuses the handle and (after
+    ``reclaim_grace_s``) the entry is unpinned."""
     reclaim_grace_s: float = Field(default=10.0, ge=0)
-    """Extra time past expiry before the producer reuses an unpulled slot; keep it above the
-    consumer's ``xfer_timeout_s`` so a read started just before expiry cannot see reuse."""
+    """Extra time past expiry before an unpulled handle stops pinning its entry; keep it
+    above the consumer's ``xfer_timeout_s`` so a read started just before expiry cannot
+    see the slot reused."""
     host: str = "127.0.0.1"
     """Address the metadata side channel binds to."""
     advertise_host: str | None = None
@@ -73,47 +80,209 @@ class ConsumerConfig(BaseModel):
 
 @dataclass(frozen=True)
 class ProducerStats:
-    """Occupancy of a producer, for metrics and tests (all zero for ``inline``)."""
+    """Occupancy and cache activity of a producer, for metrics and tests."""
 
-    slots_in_use: int
+    entries: int
+    """Embeddings held (cached), pinned or not."""
+    pinned_handles: int
+    """Handles lent out and not yet pulled (or expired)."""
     bytes_in_use: int
     bytes_free: int
     pool_bytes: int
     largest_free: int
-    """Largest payload in bytes that one more ``put`` could take right now."""
-    reclaimed_expired: int
-    """Slots freed because their handle expired unpulled (since start)."""
+    """Largest payload in bytes that one more ``put`` could take without evicting."""
+    hits: int
+    """``lookup`` calls answered from the cache (since start)."""
+    misses: int
+    evictions: int
+    """Unpinned entries dropped to make room (since start)."""
+    expired: int
+    """Handles unpinned because nobody pulled them before their TTL (since start)."""
+
+
+@dataclass(frozen=True)
+class StorageUsage:
+    bytes_in_use: int
+    bytes_free: int
+    pool_bytes: int
+    largest_free: int
 
 
 class EmbeddingProducer(ABC):
-    """Encoder side: parks embeddings and hands out handles. Safe to call from many threads."""
+    """Encoder side: a content-addressed cache of embeddings that lends out handles.
+
+    The cache policy lives here, once (:class:`~orchestrator.cache.EntryTable`): ``lookup``
+    answers a handle for a cached image, ``put`` stores a new one, evicting unpinned entries
+    least-recently-used first, or raises :class:`PoolFullError` when everything left is
+    pinned. Transports supply the storage (``_reserve`` / ``_fill`` / ``_discard``) and what
+    a handle says about where the bytes are (``_location``). Safe to call from many threads.
+    """
 
     kind: ClassVar[TransferKind]
+    pins_until_pulled: ClassVar[bool] = True
+    """Whether a handle pins its entry until the consumer says it pulled it; False when the
+    handle carries the bytes itself."""
 
     def __init__(self, config: ProducerConfig) -> None:
         self.config = config
+        self._lock = threading.Lock()
+        self._table = EntryTable(keep_unpinned=config.cache)
+        self._closed = False
+
+    # The storage a transport provides; all but ``_fill`` are called with the lock held.
 
     @abstractmethod
+    def _reserve(self, nbytes: int) -> tuple[Any, int] | None:
+        """Room for ``nbytes`` of payload: (slot, bytes charged), or None if none is free."""
+
+    @abstractmethod
+    def _fill(self, slot: Any, embeds: np.ndarray) -> None:
+        """Copy the payload into a reserved slot (called without the lock)."""
+
+    @abstractmethod
+    def _discard(self, slot: Any) -> None:
+        """Return a slot's storage; readers of it must fail from now on."""
+
+    @abstractmethod
+    def _location(self, slot: Any) -> NixlLocation | InlinePayload:
+        """What a handle for this slot tells the consumer."""
+
+    @abstractmethod
+    def _usage(self) -> StorageUsage: ...
+
+    def _check_size(self, nbytes: int) -> None:  # noqa: B027 - storage without a hard cap
+        """Raise ``ValueError`` when ``nbytes`` could never fit, even in an empty store."""
+
+    # The policy.
+
+    def lookup(self, content_hash: str) -> EmbeddingHandle | None:
+        """A fresh handle for an embedding already held, or None (a miss)."""
+        with self._lock:
+            self._check_open()
+            entry = self._table.find(content_hash) if self.config.cache else None
+            return None if entry is None else self._lend(entry)
+
     def put(
         self, embeds: np.ndarray, *, image_grid_thw: tuple[int, int, int], content_hash: str
     ) -> EmbeddingHandle:
-        """Park ``embeds`` (2-D: tokens x hidden) and return a handle valid for ``ttl_s``."""
+        """Store ``embeds`` (2-D: tokens x hidden) under ``content_hash``; a handle to it.
 
-    @abstractmethod
+        Raises :class:`PoolFullError` when no room can be made (all of it is pinned).
+        """
+        arr, _ = as_embedding(embeds)
+        self._check_size(arr.nbytes)
+        with self._lock:
+            self._check_open()
+            entry = self._table.peek(content_hash)
+            if entry is None:
+                reserved = self._reserve_evicting(arr.nbytes)
+        if entry is None:
+            slot, charged = reserved
+            self._fill(slot, arr)  # not in the table yet: nothing else can see the slot
+            with self._lock:
+                entry = self._table.peek(content_hash)
+                if entry is None:  # a concurrent put of the same image may have won
+                    meta = _Meta(arr.shape, arr.dtype.name, tuple(image_grid_thw), content_hash)
+                    entry = self._table.add(content_hash, slot, meta, charged, new_handle_id())
+                else:
+                    self._discard(slot)
+                return self._lend(entry)
+        with self._lock:
+            return self._lend(entry)
+
+    def _reserve_evicting(self, nbytes: int) -> tuple[Any, int]:
+        while (reserved := self._reserve(nbytes)) is None:
+            victim = self._table.evict_lru()
+            if victim is None:
+                usage = self._usage()
+                raise PoolFullError(
+                    f"encoder cache is full: {nbytes} bytes needed, {usage.bytes_free} of "
+                    f"{usage.pool_bytes} free (largest run {usage.largest_free}), "
+                    f"{self._table.pinned_handles} handles pinned and not yet pulled"
+                )
+            self._discard(victim.slot)
+        return reserved
+
+    def _lend(self, entry: Entry) -> EmbeddingHandle:
+        """A new handle for ``entry``; locked."""
+        slot, meta = entry.slot, entry.meta
+        handle_id = new_handle_id()
+        expires_at = time.time() + self.config.ttl_s
+        location = self._location(slot)
+        if self.pins_until_pulled:
+            self._table.pin(entry, handle_id, expires_at + self.config.reclaim_grace_s)
+        elif self._table.drop_if_unpinned(entry):  # cache off: the handle is the only copy
+            self._discard(slot)
+        return EmbeddingHandle(
+            handle_id=handle_id,
+            location=location,
+            shape=meta.shape,
+            dtype=meta.dtype,
+            image_grid_thw=meta.image_grid_thw,
+            content_hash=meta.content_hash,
+            expires_at=expires_at,
+        )
+
     def release(self, handle_id: str) -> bool:
-        """Free a handle's slot early (e.g. its request was cancelled); False if not held."""
+        """Unpin a handle (its consumer pulled it, or its request failed); False if unknown."""
+        with self._lock:
+            return self._unpin(handle_id)
 
-    @abstractmethod
-    def stats(self) -> ProducerStats: ...
+    def _unpin(self, handle_id: str) -> bool:
+        """Locked. Frees the entry's storage when the cache is off and it was the last pin."""
+        known, freed = self._table.unpin(handle_id)
+        if freed is not None:
+            self._discard(freed.slot)
+        return known
 
-    def close(self) -> None:  # noqa: B027 - a no-op for transports that hold nothing
-        """Stop background work and free resources; idempotent."""
+    def _expire(self, now: float) -> None:
+        """Unpin handles past their TTL + grace; locked (transports call it periodically)."""
+        for entry in self._table.expire(now):
+            self._discard(entry.slot)
+
+    def stats(self) -> ProducerStats:
+        with self._lock:
+            self._expire(time.time())
+            usage, c = self._usage(), self._table.counters
+            return ProducerStats(
+                entries=len(self._table),
+                pinned_handles=self._table.pinned_handles,
+                bytes_in_use=usage.bytes_in_use,
+                bytes_free=usage.bytes_free,
+                pool_bytes=usage.pool_bytes,
+                largest_free=usage.largest_free,
+                hits=c.hits,
+                misses=c.misses,
+                evictions=c.evictions,
+                expired=c.expired,
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("producer is closed")
+
+    def close(self) -> None:
+        """Drop every entry and stop background work; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._table.drain():
+                self._discard(entry.slot)
 
     def __enter__(self) -> EmbeddingProducer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: tuple[int, int]
+    dtype: str
+    image_grid_thw: tuple[int, int, int]
+    content_hash: str
 
 
 class EmbeddingConsumer(ABC):

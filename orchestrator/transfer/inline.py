@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,39 +12,60 @@ from orchestrator.protocol import EmbeddingHandle, InlinePayload, TransferError
 from orchestrator.transfer.base import (
     EmbeddingConsumer,
     EmbeddingProducer,
-    ProducerStats,
-    as_embedding,
+    ProducerConfig,
+    StorageUsage,
     check_not_expired,
-    new_handle_id,
     numpy_dtype,
 )
 
 
 class InlineProducer(EmbeddingProducer):
-    """Holds nothing: the handle is the data, so release is a no-op and stats are zero."""
+    """Keeps the base64 text of each embedding; a handle carries a copy of it, so handles
+    pin nothing and the cache only saves re-encoding repeated images."""
 
     kind = "inline"
+    pins_until_pulled = False
 
-    def put(
-        self, embeds: np.ndarray, *, image_grid_thw: tuple[int, int, int], content_hash: str
-    ) -> EmbeddingHandle:
-        arr, dtype = as_embedding(embeds)
-        data_b64 = base64.b64encode(arr.view(np.uint8).data).decode("ascii")
-        return EmbeddingHandle(
-            handle_id=new_handle_id(),
-            location=InlinePayload(data_b64=data_b64),
-            shape=arr.shape,
-            dtype=dtype,
-            image_grid_thw=image_grid_thw,
-            content_hash=content_hash,
-            expires_at=time.time() + self.config.ttl_s,
-        )
+    def __init__(self, config: ProducerConfig) -> None:
+        super().__init__(config)
+        self._bytes_in_use = 0
 
-    def release(self, handle_id: str) -> bool:
-        return False
+    def _check_size(self, nbytes: int) -> None:
+        if _b64_size(nbytes) > self.config.pool_bytes:
+            raise ValueError(
+                f"embedding of {nbytes} bytes exceeds the cache budget "
+                f"({self.config.pool_bytes} bytes): raise pool_bytes"
+            )
 
-    def stats(self) -> ProducerStats:
-        return ProducerStats(0, 0, 0, 0, 0, 0)
+    def _reserve(self, nbytes: int) -> tuple[_Slot, int] | None:
+        size = _b64_size(nbytes)
+        if self._bytes_in_use + size > self.config.pool_bytes:
+            return None
+        self._bytes_in_use += size
+        return _Slot(size), size
+
+    def _fill(self, slot: _Slot, embeds: np.ndarray) -> None:
+        slot.data_b64 = base64.b64encode(embeds.reshape(-1).view(np.uint8).data).decode("ascii")
+
+    def _discard(self, slot: _Slot) -> None:
+        self._bytes_in_use -= slot.size
+
+    def _location(self, slot: _Slot) -> InlinePayload:
+        return InlinePayload(data_b64=slot.data_b64)
+
+    def _usage(self) -> StorageUsage:
+        free = self.config.pool_bytes - self._bytes_in_use
+        return StorageUsage(self._bytes_in_use, free, self.config.pool_bytes, free * 3 // 4)
+
+
+@dataclass
+class _Slot:
+    size: int
+    data_b64: str = ""
+
+
+def _b64_size(nbytes: int) -> int:
+    return -(-nbytes // 3) * 4
 
 
 class InlineConsumer(EmbeddingConsumer):

@@ -1,12 +1,14 @@
 """NIXL transport: prefill pulls embeddings straight out of the encoder's registered pool.
 
 Slot layout in the producer's pool: ``nonce | payload | nonce`` (``NONCE_BYTES`` each
-side). The nonce is random per ``put`` and zeroed on free, so a consumer that reads a
-released, reclaimed or reused slot sees a mismatch instead of someone else's bytes.
+side). The nonce is random per stored embedding and zeroed when it is evicted, so a
+consumer that reads an evicted or reused slot sees a mismatch instead of someone else's
+bytes.
 
 Lifecycle: the consumer's READ carries the handle id as its NIXL notification; the
-producer's poll thread frees the slot when that notification arrives, and reclaims slots
-whose handle expired unpulled (after ``reclaim_grace_s``). Neither side runs NIXL's
+producer's poll thread unpins the handle when that notification arrives, and unpins
+handles that expired unpulled (after ``reclaim_grace_s``). Unpinned embeddings stay
+cached until evicted (see ``orchestrator.cache``). Neither side runs NIXL's
 progress thread (it spins a core per agent): the producer's poll thread progresses UCX,
 the consumer polls its own transfer.
 
@@ -19,7 +21,6 @@ processes that use this module with ``spawn`` or ``subprocess``, never ``fork``.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import secrets
@@ -38,12 +39,9 @@ from orchestrator.transfer.base import (
     ConsumerConfig,
     EmbeddingConsumer,
     EmbeddingProducer,
-    PoolFullError,
     ProducerConfig,
-    ProducerStats,
-    as_embedding,
+    StorageUsage,
     check_not_expired,
-    new_handle_id,
     numpy_dtype,
 )
 from orchestrator.transfer.pool import BlockPool
@@ -64,10 +62,11 @@ def _new_agent(prefix: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Slot:
     offset: int
     length: int
+    nonce: bytes
 
 
 class _MetadataServer(socketserver.TCPServer):
@@ -93,7 +92,7 @@ class _MetadataHandler(socketserver.BaseRequestHandler):
 
 
 class NixlProducer(EmbeddingProducer):
-    """Parks embeddings in one NIXL-registered DRAM pool and serves its metadata over TCP."""
+    """Keeps embeddings in one NIXL-registered DRAM pool and serves its metadata over TCP."""
 
     kind = "nixl"
 
@@ -102,15 +101,10 @@ class NixlProducer(EmbeddingProducer):
         advertise = config.advertise_host or config.host
         if advertise in _WILDCARDS:
             raise ValueError(f"host {config.host!r} is a wildcard: set advertise_host")
-        self._lock = threading.Lock()
         self._pool = BlockPool(config.pool_bytes, config.block_bytes)
         self._buf = np.empty(self._pool.total_bytes, np.uint8)
         self._buf.fill(0)  # fault the pages in now, not on the first puts
         self._base = self._buf.ctypes.data
-        self._slots: dict[str, _Slot] = {}
-        self._expiry: list[tuple[float, str]] = []  # (reclaim_at, handle_id), lazily pruned
-        self._reclaimed = 0
-        self._closed = False
 
         self._agent = _new_agent("epd-enc")
         self.agent_name: str = self._agent.name
@@ -133,83 +127,53 @@ class NixlProducer(EmbeddingProducer):
             self.metadata_addr,
         )
 
-    def put(
-        self, embeds: np.ndarray, *, image_grid_thw: tuple[int, int, int], content_hash: str
-    ) -> EmbeddingHandle:
-        arr, dtype = as_embedding(embeds)
-        nbytes = arr.nbytes
-        length = nbytes + 2 * NONCE_BYTES
-        if self._pool.blocks_for(length) > self._pool.num_blocks:
+    def _check_size(self, nbytes: int) -> None:
+        if self._pool.blocks_for(nbytes + 2 * NONCE_BYTES) > self._pool.num_blocks:
             raise ValueError(
                 f"embedding of {nbytes} bytes exceeds the whole pool "
                 f"({self._pool.total_bytes} bytes): raise pool_bytes"
             )
-        handle_id = new_handle_id()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("producer is closed")
-            offset = self._pool.alloc(length)
-            if offset is None:
-                usage = self._pool.usage()
-                raise PoolFullError(
-                    f"embedding pool full: need {length} bytes, largest free run "
-                    f"{usage.largest_free} of {usage.bytes_free} free bytes, "
-                    f"{usage.allocations} handles not yet fetched"
-                )
-            # Not in the expiry heap yet, so nothing can reclaim it while we copy unlocked.
-            self._slots[handle_id] = _Slot(offset, length)
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        region = self._buf[offset : offset + length]
-        region[NONCE_BYTES : NONCE_BYTES + nbytes] = arr.reshape(-1).view(np.uint8)
-        region[:NONCE_BYTES] = np.frombuffer(nonce, np.uint8)
-        region[-NONCE_BYTES:] = np.frombuffer(nonce, np.uint8)
-        expires_at = time.time() + self.config.ttl_s
-        with self._lock:
-            heapq.heappush(self._expiry, (expires_at + self.config.reclaim_grace_s, handle_id))
-        return EmbeddingHandle(
-            handle_id=handle_id,
-            location=NixlLocation(
-                agent=self.agent_name,
-                metadata_addr=self.metadata_addr,
-                addr=self._base + offset,
-                length=length,
-                nonce=nonce.hex(),
-            ),
-            shape=arr.shape,
-            dtype=dtype,
-            image_grid_thw=image_grid_thw,
-            content_hash=content_hash,
-            expires_at=expires_at,
-        )
 
-    def release(self, handle_id: str) -> bool:
-        with self._lock:
-            return self._free(handle_id)
+    def _reserve(self, nbytes: int) -> tuple[_Slot, int] | None:
+        length = nbytes + 2 * NONCE_BYTES
+        offset = self._pool.alloc(length)
+        if offset is None:
+            return None
+        slot = _Slot(offset, length, secrets.token_bytes(NONCE_BYTES))
+        return slot, self._pool.blocks_for(length) * self._pool.block_bytes
 
-    def _free(self, handle_id: str) -> bool:
-        """Zero the slot's nonces (a late reader then fails cleanly) and return it; locked."""
-        slot = self._slots.pop(handle_id, None)
-        if slot is None:
-            return False
+    def _fill(self, slot: _Slot, embeds: np.ndarray) -> None:
+        region = self._buf[slot.offset : slot.offset + slot.length]
+        region[NONCE_BYTES:-NONCE_BYTES] = embeds.reshape(-1).view(np.uint8)
+        region[:NONCE_BYTES] = np.frombuffer(slot.nonce, np.uint8)
+        region[-NONCE_BYTES:] = np.frombuffer(slot.nonce, np.uint8)
+
+    def _discard(self, slot: _Slot) -> None:
+        """Zero the nonces (a late reader then fails cleanly) and return the blocks."""
         self._buf[slot.offset : slot.offset + NONCE_BYTES] = 0
         self._buf[slot.offset + slot.length - NONCE_BYTES : slot.offset + slot.length] = 0
         self._pool.free(slot.offset)
-        return True
 
-    def stats(self) -> ProducerStats:
-        with self._lock:
-            usage = self._pool.usage()
-            return ProducerStats(
-                slots_in_use=usage.allocations,
-                bytes_in_use=usage.bytes_in_use,
-                bytes_free=usage.bytes_free,
-                pool_bytes=self._pool.total_bytes,
-                largest_free=max(0, usage.largest_free - 2 * NONCE_BYTES),
-                reclaimed_expired=self._reclaimed,
-            )
+    def _location(self, slot: _Slot) -> NixlLocation:
+        return NixlLocation(
+            agent=self.agent_name,
+            metadata_addr=self.metadata_addr,
+            addr=self._base + slot.offset,
+            length=slot.length,
+            nonce=slot.nonce.hex(),
+        )
+
+    def _usage(self) -> StorageUsage:
+        usage = self._pool.usage()
+        return StorageUsage(
+            bytes_in_use=usage.bytes_in_use,
+            bytes_free=usage.bytes_free,
+            pool_bytes=self._pool.total_bytes,
+            largest_free=max(0, usage.largest_free - 2 * NONCE_BYTES),
+        )
 
     def _poll(self) -> None:
-        """Free slots whose READ completed (notification = handle id) or whose TTL passed.
+        """Unpin handles whose READ completed (notification = handle id) or whose TTL passed.
 
         The only thread that touches the agent after start-up; each call also progresses
         UCX, which reads over the ``tcp`` transport need on this side.
@@ -220,21 +184,16 @@ class NixlProducer(EmbeddingProducer):
             except Exception:
                 log.exception("NIXL get_new_notifs failed")
                 continue
-            now = time.time()
             with self._lock:
                 for messages in notifs.values():
                     for msg in messages:
-                        self._free(msg.decode("utf-8", "replace"))
-                while self._expiry and self._expiry[0][0] <= now:
-                    _, handle_id = heapq.heappop(self._expiry)
-                    if self._free(handle_id):
-                        self._reclaimed += 1
+                        self._unpin(msg.decode("utf-8", "replace"))
+                self._expire(time.time())
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        super().close()
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._poller.join(timeout=5)
         self._server.shutdown()
@@ -293,7 +252,7 @@ class NixlConsumer(EmbeddingConsumer):
             ):
                 raise TransferError(
                     f"handle {hid} is unknown or was released: its slot in {loc.agent} no "
-                    "longer holds it (already fetched, released, or reclaimed after expiry)"
+                    "longer holds it (evicted, or pulled or released with the cache off)"
                 )
             out = np.empty(handle.shape, numpy_dtype(handle.dtype))
             out.reshape(-1).view(np.uint8)[:] = region[NONCE_BYTES:-NONCE_BYTES]

@@ -5,8 +5,6 @@ stage calls over gRPC -- and the answer is still token-exact with the aggregated
 from __future__ import annotations
 
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +12,13 @@ import pytest
 
 from orchestrator.client import sample_photo, stream
 from orchestrator.config import ServerSpec, Topology
-from tests.conftest import EPD_LAYOUT, assert_epd_matches_aggregated, pool_metrics, running_stack
+from tests.conftest import (
+    EPD_LAYOUT,
+    assert_epd_matches_aggregated,
+    running_stack,
+    scrape,
+    wait_unpinned,
+)
 from tests.integration.netns import can_create_namespaces, isolated_hosts
 
 pytestmark = [
@@ -77,27 +81,15 @@ def test_epd_across_hosts_matches_aggregated(multihost_stack, text, images):
     assert_epd_matches_aggregated(multihost_stack, text, images)
 
 
-def _encoded_requests(server: ServerSpec) -> float:
-    """Triton's own count of successful ``encode`` requests on one encoder server."""
-    url = f"http://{server.host}:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith('nv_inference_request_success{model="encode"'):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no encode request counter at {url}")
-
-
 def test_embeddings_were_pulled_across_hosts_from_every_encoder(multihost_stack):
-    """Each encoder host served requests, and every slot it filled was freed by the prefill
-    host's NIXL READ notification, none by TTL: the embeddings really crossed."""
+    """Each encoder host served requests, and every handle it lent was unpinned by the
+    prefill host's NIXL READ notification, none by TTL: the embeddings really crossed."""
     front = multihost_stack.server_of("epd")[1]
     for name in ("coffee", "chelsea", "astronaut", "coffee"):
         stream(
             front.grpc_url, "epd", "Describe this image.", [sample_photo(name)], {"max_tokens": 2}
         )
     for name, encoder in multihost_stack.servers_of("encode").items():
-        assert _encoded_requests(encoder) > 0, f"{name} got no work"
-        deadline = time.monotonic() + 10
-        while (stats := pool_metrics(encoder))["slots_in_use"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert stats["slots_in_use"] == 0 and stats["reclaimed_expired"] == 0, (name, stats)
+        assert scrape(encoder, "nv_inference_request_success", model="encode") > 0, name
+        stats = wait_unpinned(encoder)
+        assert stats["pinned_handles"] == 0 and stats["expired"] == 0, (name, stats)

@@ -86,11 +86,10 @@ class Peer:
     # Shortcuts for the commands of transfer_peer.py.
 
     def put(self, shapes, dtype="float32", threads=1, seed=0) -> list[dict]:
-        specs = [
-            {"seed": seed + i, "rows": r, "cols": c, "dtype": dtype}
-            for i, (r, c) in enumerate(shapes)
-        ]
-        return self.request("put", specs=specs, threads=threads)["results"]
+        return self.request("put", specs=specs(shapes, dtype, seed), threads=threads)["results"]
+
+    def lookup(self, shapes, dtype="float32", seed=0) -> list[dict]:
+        return self.request("lookup", specs=specs(shapes, dtype, seed))["results"]
 
     def fetch(self, handles, threads=1, timeout=60) -> list[dict]:
         return self.request("fetch", handles=handles, threads=threads, timeout=timeout)["results"]
@@ -115,12 +114,18 @@ def consumer(kind):
     peer.close()
 
 
-def wait_all_free(producer: Peer, timeout: float = 5) -> dict:
-    """Slots free asynchronously (on the READ's notification): poll the stats, bounded."""
+def specs(shapes, dtype: str, seed: int) -> list[dict]:
+    return [
+        {"seed": seed + i, "rows": r, "cols": c, "dtype": dtype} for i, (r, c) in enumerate(shapes)
+    ]
+
+
+def wait_unpinned(producer: Peer, timeout: float = 5) -> dict:
+    """Handles unpin asynchronously (on the READ's notification): poll the stats, bounded."""
     deadline = time.monotonic() + timeout
     while True:
         stats = producer.request("stats")
-        if stats["slots_in_use"] == 0 or time.monotonic() > deadline:
+        if stats["pinned_handles"] == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
 
@@ -154,35 +159,84 @@ def test_round_trip_is_byte_exact(producer, consumer):
     for dtype in ("float16", "bfloat16"):
         puts = producer.put([(64, 128), (3, 5)], dtype=dtype, seed=100)
         assert_fetched(puts, consumer.fetch([p["handle"] for p in puts]))
-    stats = wait_all_free(producer)
-    assert stats["slots_in_use"] == 0 and stats["bytes_in_use"] == 0
+    assert wait_unpinned(producer)["pinned_handles"] == 0
 
 
 @pytest.mark.server
 @pytest.mark.timeout(180)
-def test_concurrent_batch_returns_pool_to_all_free(kind, producer, consumer):
+def test_concurrent_batch_unpins_everything(kind, producer, consumer):
     puts = producer.put([(16 + 16 * i, 256) for i in range(48)], threads=4, seed=1000)
     assert_fetched(puts, consumer.fetch([p["handle"] for p in puts], threads=4))
-    stats = wait_all_free(producer)
-    if kind == "nixl":
-        assert stats["slots_in_use"] == 0
-        assert stats["bytes_free"] == stats["pool_bytes"]
-        assert stats["largest_free"] > stats["pool_bytes"] - 64
+    assert wait_unpinned(producer)["pinned_handles"] == 0
 
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["nixl"], indirect=True)  # inline handles carry their bytes
-def test_fetched_or_released_handle_is_unknown(kind, producer, consumer):
-    [first] = producer.put([(8, 64)], seed=2000)
-    assert_fetched([first], consumer.fetch([first["handle"]]))
-    assert wait_all_free(producer)["slots_in_use"] == 0  # the READ's notification freed it
-    [second] = producer.put([(8, 64)], seed=2001)
-    [again] = consumer.fetch([first["handle"]])
-    assert "unknown or was released" in again["error"]
-    assert producer.request("release", handle_id=second["handle"]["handle_id"])["released"]
-    [released] = consumer.fetch([second["handle"]])
-    assert "unknown or was released" in released["error"]
+def test_cached_embedding_outlives_its_pull(kind, producer, consumer):
+    """A pulled embedding stays cached: a lookup of the same content lends a new handle to
+    the same bytes (no second put), counted as a hit; unknown content is a miss."""
+    [put] = producer.put([(32, 64)], seed=3000)
+    assert_fetched([put], consumer.fetch([put["handle"]]))
+    before = wait_unpinned(producer)
+    [hit], [miss] = producer.lookup([(32, 64)], seed=3000), producer.lookup([(32, 64)], seed=3999)
+    assert miss == {"miss": True}
+    assert hit["handle"]["handle_id"] != put["handle"]["handle_id"]
+    assert_fetched([{**put, "handle": hit["handle"]}], consumer.fetch([hit["handle"]]))
+    after = wait_unpinned(producer)
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 1)
+    assert after["entries"] == before["entries"]
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_lru_eviction_under_a_small_budget():
+    """Room for three: a fourth evicts the least recently used unpinned entry, whose old
+    handles then fail cleanly; the recently used one survives."""
+    producer = Peer("producer", "nixl", pool_bytes=MIB, block_bytes=64 << 10)
+    consumer = Peer("consumer", "nixl")
+    try:
+        shape = [(256, 256)]  # 256 KiB + framing = 5 blocks; 16 blocks in the pool
+        puts = [producer.put(shape, seed=s)[0] for s in (1, 2, 3)]
+        assert_fetched(puts, consumer.fetch([p["handle"] for p in puts]))
+        wait_unpinned(producer)
+        [touched] = producer.lookup(shape, seed=1)  # 1 is now the most recently used
+        assert_fetched(
+            [{**puts[0], "handle": touched["handle"]}], consumer.fetch([touched["handle"]])
+        )
+        wait_unpinned(producer)
+        [fourth] = producer.put(shape, seed=4)
+        stats = producer.request("stats")
+        assert (stats["entries"], stats["evictions"]) == (3, 1), stats
+        assert producer.lookup(shape, seed=2) == [{"miss": True}]  # the LRU one went
+        assert "handle" in producer.lookup(shape, seed=1)[0]
+        [stale] = consumer.fetch([puts[1]["handle"]])
+        assert "unknown or was released" in stale["error"]
+        assert_fetched([fourth], consumer.fetch([fourth["handle"]]))
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_cache_off_frees_on_pull_and_release():
+    producer = Peer("producer", "nixl", cache=False)
+    consumer = Peer("consumer", "nixl")
+    try:
+        [first] = producer.put([(8, 64)], seed=2000)
+        assert_fetched([first], consumer.fetch([first["handle"]]))
+        stats = wait_unpinned(producer)  # the READ's notification freed it
+        assert (stats["entries"], stats["bytes_in_use"]) == (0, 0)
+        assert producer.lookup([(8, 64)], seed=2000) == [{"miss": True}]
+        [second] = producer.put([(8, 64)], seed=2001)
+        [again] = consumer.fetch([first["handle"]])
+        assert "unknown or was released" in again["error"]
+        assert producer.request("release", handle_id=second["handle"]["handle_id"])["released"]
+        [released] = consumer.fetch([second["handle"]])
+        assert "unknown or was released" in released["error"]
+    finally:
+        producer.close()
+        consumer.close()
 
 
 @pytest.mark.server
@@ -207,24 +261,24 @@ def test_expired_handle_is_refused_and_reclaimed(kind, consumer):
         time.sleep(0.4)
         [got] = consumer.fetch([put["handle"]])
         assert "expired" in got["error"]
-        if kind == "nixl":
-            stats = wait_all_free(peer)
-            assert (stats["slots_in_use"], stats["reclaimed_expired"]) == (0, 1)
+        if kind == "nixl":  # it stops pinning its entry once ttl + grace have passed
+            stats = wait_unpinned(peer)
+            assert (stats["pinned_handles"], stats["expired"]) == (0, 1)
     finally:
         peer.close()
 
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-def test_full_pool_fails_put_clearly():
+def test_pool_full_of_pinned_embeddings_fails_put_clearly():
     peer = Peer("producer", "nixl", pool_bytes=MIB, block_bytes=64 << 10)
     try:
         puts = peer.put([(256, 256)] * 2)  # 256 KiB + framing = 5 blocks each
         assert all("handle" in p for p in puts)
         puts = peer.put([(256, 256)] * 2, seed=10)
         assert "handle" in puts[0]
-        assert "embedding pool full" in puts[1]["error"]
-        assert "3 handles not yet fetched" in puts[1]["error"]
+        assert "encoder cache is full" in puts[1]["error"]
+        assert "3 handles pinned and not yet pulled" in puts[1]["error"]
     finally:
         peer.close()
 
@@ -273,7 +327,7 @@ def test_stalled_producer_times_out_then_recovers():
         assert time.monotonic() - start < 5
         os.kill(producer.proc.pid, signal.SIGCONT)
         assert_fetched([second], consumer.fetch([second["handle"]]))
-        assert wait_all_free(producer)["slots_in_use"] == 0
+        assert wait_unpinned(producer)["pinned_handles"] == 0
     finally:
         producer.kill()
         consumer.close()

@@ -30,22 +30,33 @@ def make_array(seed: int, rows: int, cols: int, dtype: str) -> np.ndarray:
     return values.astype(numpy_dtype(dtype))
 
 
+def key(spec: dict) -> str:
+    """Content hash stand-in: the array is a function of these fields."""
+    return f"{spec['seed']}-{spec['rows']}x{spec['cols']}-{spec['dtype']}"
+
+
 def serve_producer(kind: str, cfg: dict) -> None:
     producer = make_producer(kind, **cfg)
 
     def put(spec: dict) -> dict:
         arr = make_array(spec["seed"], spec["rows"], spec["cols"], spec["dtype"])
         try:
-            handle = producer.put(arr, image_grid_thw=(1, 2, 2), content_hash=str(spec["seed"]))
+            handle = producer.put(arr, image_grid_thw=(1, 2, 2), content_hash=key(spec))
         except PoolFullError as exc:
             return {"error": str(exc)}
         return {"handle": handle.model_dump(mode="json"), "sha256": sha256(arr)}
+
+    def lookup(spec: dict) -> dict:
+        handle = producer.lookup(key(spec))
+        return {"handle": handle.model_dump(mode="json")} if handle else {"miss": True}
 
     def run(cmd: dict) -> dict:
         match cmd["op"]:
             case "put":
                 with ThreadPoolExecutor(cmd.get("threads", 1)) as pool:
                     return {"results": list(pool.map(put, cmd["specs"]))}
+            case "lookup":
+                return {"results": [lookup(spec) for spec in cmd["specs"]]}
             case "release":
                 return {"released": producer.release(cmd["handle_id"])}
             case "stats":

@@ -1,10 +1,13 @@
-"""Least-outstanding routing among the servers of one stage (pure logic)."""
+"""Routing among the servers of one stage: load, locality, health (pure logic)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from orchestrator.router import StageRoute
+from orchestrator.protocol import Unavailable
+from orchestrator.router import HealthMonitor, ReuseIndex, StageRoute
 
 
 class _Client:  # the route only hands clients out; it never calls them
@@ -45,3 +48,54 @@ def test_outstanding_is_released_when_the_call_fails():
 def test_a_stage_without_servers_is_an_error():
     with pytest.raises(ValueError, match="no server hosts stage 'encode'"):
         _route()
+
+
+def test_preferred_server_wins_unless_down_or_excluded():
+    route = _route("a", "b")
+    with route.use("b"):
+        assert route.choose(prefer="b") == "b"  # locality beats load
+    assert route.choose(prefer="b", exclude=["b"]) == "a"
+    route.mark_down("b", "connection refused")
+    assert route.choose(prefer="b") == "a"
+
+
+def test_no_healthy_server_fails_fast_saying_why():
+    route = _route("a", "b")
+    route.mark_down("a", "connection refused")
+    with pytest.raises(Unavailable, match=r"already tried \['b'\]\); a: connection refused"):
+        route.choose(exclude=["b"])
+    route.mark_up("a")
+    assert route.choose(exclude=["b"]) == "a"
+
+
+class _Probed:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    async def ready(self) -> bool:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_probes_take_out_and_readmit():
+    clients = {"up": _Probed(True), "down": _Probed(ConnectionError("refused"))}
+    route = StageRoute("decode", clients)  # type: ignore[arg-type]
+    monitor = HealthMonitor([route], interval_s=60, timeout_s=1)
+    asyncio.run(monitor.probe_all())
+    assert route.healthy == ["up"] and "refused" in route._down["down"]
+    clients["down"].answer = True
+    asyncio.run(monitor.probe_all())
+    assert route.healthy == ["up", "down"]
+
+
+def test_reuse_index_is_bounded_and_forgets_a_dead_server():
+    index = ReuseIndex(max_entries=2)
+    index.record("x", "enc1")
+    index.record("y", "enc2")
+    index.holder("x")  # x is now the most recent
+    index.record("z", "enc1")
+    assert (index.holder("x"), index.holder("y"), index.holder("z")) == ("enc1", None, "enc1")
+    index.forget("x", "enc2")  # someone else's record: kept
+    assert index.holder("x") == "enc1"
+    assert index.forget_server("enc1") == 2 and len(index) == 0
