@@ -115,6 +115,8 @@ class EPDPipeline:
         request = parse_front_request(inputs, self.limits)
         request_id = uuid.uuid4().hex
         prompt = self.prompts.build(request.text, len(request.images))
+        for route in self.routes.values():
+            await route.require(self.routing.probe_timeout_s)
 
         handles, holders = await self._encode_all(request.images)
         encoded = time.perf_counter()

@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from typing import NoReturn
 
 from orchestrator.protocol import Unavailable
 from orchestrator.stage_client import StageClient
@@ -53,12 +54,24 @@ class StageRoute:
         if prefer in names:
             return prefer
         if not names:
-            down = "; ".join(f"{n}: {why}" for n, why in self._down.items()) or "none down"
-            tried = f" (already tried {sorted(excluded)})" if excluded else ""
-            raise Unavailable(f"no healthy {self.stage} server left{tried}; {down}")
+            self._none_left(excluded)
         start = next(self._turn) % len(names)
         rotated = names[start:] + names[:start]
         return min(rotated, key=self._outstanding.__getitem__)
+
+    async def require(self, probe_timeout_s: float) -> None:
+        """Fail fast, before any work is spent on a request, when no server is healthy --
+        after probing the ones taken out once more, so a server that just came back (or
+        that was still starting when last probed) serves without waiting for the monitor."""
+        if not self.healthy:
+            await asyncio.gather(*(self.probe(n, probe_timeout_s) for n in self.targets))
+        if not self.healthy:
+            self._none_left(set())
+
+    def _none_left(self, excluded: set[str]) -> NoReturn:
+        down = "; ".join(f"{n}: {why}" for n, why in self._down.items()) or "none down"
+        tried = f" (already tried {sorted(excluded)})" if excluded else ""
+        raise Unavailable(f"no healthy {self.stage} server left{tried}; {down}")
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[StageClient]:

@@ -124,6 +124,17 @@ class BlsStageClient(StageClient):
         return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    # gRPC backs off reconnecting to a peer that refused (up to 120 s by default); a stage
+    # server that restarts must be reachable again within a probe period or two.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 class GrpcStageClient(StageClient):
     """Remote call over tritonclient's asyncio gRPC stream, with a deadline.
 
@@ -138,7 +149,7 @@ class GrpcStageClient(StageClient):
         self._mod = grpcclient
         self._url = url
         self._timeout_s = timeout_s
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
     async def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]:
         mod = self._mod

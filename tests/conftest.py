@@ -67,9 +67,12 @@ def scrape(server: ServerSpec, name: str, **labels: str) -> float:
     return total
 
 
-def cache_metrics(encoder: ServerSpec) -> dict[str, float]:
-    """An encoder server's ``epd_encoder_cache_*`` series (gauges and ``_total`` counters)."""
+def cache_metrics(encoder: ServerSpec, settle_s: float = 1.1) -> dict[str, float]:
+    """An encoder server's ``epd_encoder_cache_*`` series (gauges and ``_total`` counters),
+    read after ``settle_s``: the encoder publishes them every 0.5 s."""
     from orchestrator.metrics import CACHE_COUNTERS, CACHE_GAUGES
+
+    time.sleep(settle_s)
 
     stats = {f: scrape(encoder, f"epd_encoder_cache_{f}") for f in CACHE_GAUGES}
     stats.update({f: scrape(encoder, f"epd_encoder_cache_{f}_total") for f in CACHE_COUNTERS})
@@ -84,9 +87,9 @@ def encoder_passes(encoder: ServerSpec) -> int:
 def wait_unpinned(encoder: ServerSpec, timeout_s: float = 10) -> dict[str, float]:
     """The encoder's cache stats once every handle it lent was pulled (bounded wait)."""
     deadline = time.monotonic() + timeout_s
-    while (stats := cache_metrics(encoder))["pinned_handles"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return stats
+    while cache_metrics(encoder, 0.2)["pinned_handles"] and time.monotonic() < deadline:
+        pass
+    return cache_metrics(encoder)
 
 
 def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:

@@ -165,14 +165,17 @@ class TritonServer:
 
     def stop(self) -> None:
         """SIGTERM, give Triton its exit timeout, then kill the whole group (vLLM children)."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=self.exit_timeout_s + 10)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crashed host would go; ``start`` again works."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.exit_timeout_s + 10)
-            except subprocess.TimeoutExpired:
-                pass
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -59,7 +59,7 @@ def test_preferred_server_wins_unless_down_or_excluded():
     assert route.choose(prefer="b") == "a"
 
 
-def test_no_healthy_server_fails_fast_saying_why():
+def test_no_healthy_server_to_choose_says_why():
     route = _route("a", "b")
     route.mark_down("a", "connection refused")
     with pytest.raises(Unavailable, match=r"already tried \['b'\]\); a: connection refused"):
@@ -99,3 +99,15 @@ def test_reuse_index_is_bounded_and_forgets_a_dead_server():
     index.forget("x", "enc2")  # someone else's record: kept
     assert index.holder("x") == "enc1"
     assert index.forget_server("enc1") == 2 and len(index) == 0
+
+
+def test_require_probes_again_before_failing():
+    clients = {"d": _Probed(True)}
+    route = StageRoute("decode", clients)  # type: ignore[arg-type]
+    route.mark_down("d", "refused")
+    asyncio.run(route.require(probe_timeout_s=1))  # back: re-admitted on the spot
+    assert route.healthy == ["d"]
+    clients["d"].answer = False
+    route.mark_down("d", "refused")
+    with pytest.raises(Unavailable, match="no healthy decode server left; d: not ready"):
+        asyncio.run(route.require(probe_timeout_s=1))
