@@ -127,6 +127,43 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_cache(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from orchestrator.bench import cache, quick
+
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind through the deployment's finally
+    if args.url and not args.topology:
+        print("epd bench cache: --url needs --topology (to count encoder passes)", file=sys.stderr)
+        return 2
+    try:
+        settings = quick.Settings(
+            requests=args.images,
+            concurrency=args.concurrency,
+            rounds=args.rounds,
+            max_tokens=args.max_tokens,
+            timeout_s=args.request_timeout,
+        )
+        topology = _topology(args)
+        with contextlib.ExitStack() as stack:
+            url = args.url
+            if url is None:
+                print("starting the embedded deployment on free ports ...", flush=True)
+                topology = stack.enter_context(quick.embedded(topology, args.timeout))
+                url = topology.server_of("epd")[1].grpc_url
+            cli_args = {k: v for k, v in vars(args).items() if k != "func"}
+            report = cache.run(url, topology, settings, args.images, cli_args)
+    except quick.BenchError as exc:
+        print(f"epd bench cache: {exc}", file=sys.stderr)
+        return 2
+    print(cache.ratio_line(report))
+    for error in report["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    quick.write_report(report, Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_bench_quick(args: argparse.Namespace) -> int:
     import contextlib
 
@@ -146,7 +183,8 @@ def cmd_bench_quick(args: argparse.Namespace) -> int:
             if url is None:
                 topology = _topology(args)
                 print("starting the embedded deployment on free ports ...", flush=True)
-                url = stack.enter_context(quick.embedded(topology, args.timeout))
+                running = stack.enter_context(quick.embedded(topology, args.timeout))
+                url = running.server_of("epd")[1].grpc_url
             cli_args = {k: v for k, v in vars(args).items() if k != "func"}
             report = quick.run(url, settings, cli_args)
     except quick.BenchError as exc:
@@ -218,6 +256,19 @@ def main(argv: list[str] | None = None) -> int:
     infer.set_defaults(func=cmd_infer)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    cache = bench.add_parser("cache", help="TTFT of repeated images (cache hits) vs new ones")
+    cache.add_argument("--url", help="gRPC HOST:PORT of a running front (needs --topology)")
+    cache.add_argument("--topology", help="the running deployment's topology (its encoders)")
+    cache.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    cache.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    cache.add_argument("--images", type=int, default=8, help="new photos per round")
+    cache.add_argument("--concurrency", type=int, default=2, help="streams in flight")
+    cache.add_argument("--rounds", type=int, default=3)
+    cache.add_argument("--max-tokens", type=int, default=8)
+    cache.add_argument("--request-timeout", type=float, default=300, help="seconds per request")
+    cache.add_argument("--out", default=".cache/bench/cache.json", help="JSON report path")
+    cache.set_defaults(func=cmd_bench_cache)
+
     quick = bench.add_parser("quick", help="TTFT and throughput of epd vs aggregated")
     quick.add_argument("--url", help="gRPC HOST:PORT of a running front (default: start one)")
     quick.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")

@@ -14,8 +14,12 @@ import asyncio
 import bisect
 import contextlib
 import threading
+import urllib.request
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.config import Topology
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Bucket bounds for latencies, 1 ms .. 10 s."""
@@ -142,3 +146,29 @@ def publish_producer(publisher: MetricsPublisher, stats: Callable[[], Any]) -> N
     for field, doc in CACHE_COUNTERS.items():
         read = lambda f=field: getattr(snapshot[0], f)  # noqa: E731
         publisher.counter(f"epd_encoder_cache_{field}_total", doc, read)
+
+
+def scrape(host: str, port: int, name: str, **labels: str) -> float:
+    """Sum of the series ``name`` on ``http://host:port/metrics`` whose labels include
+    ``labels`` (e.g. Triton's ``nv_inference_count`` for ``model="vision_encoder"``)."""
+    url = f"http://{host}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total, found = 0.0, False
+    for line in lines:
+        series, _, value = line.rpartition(" ")
+        if series.partition("{")[0] == name and all(w in series for w in wanted):
+            total += float(value)
+            found = True
+    if not found:
+        raise LookupError(f"no series {name}{labels or ''} at {url}")
+    return total
+
+
+def encoder_passes(topology: Topology) -> int:
+    """Vision encoder forward passes so far on every encoder server, by Triton's own count."""
+    return sum(
+        int(scrape(s.host, s.metrics_port, "nv_inference_count", model="vision_encoder"))
+        for s in topology.servers_of("encode").values()
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,19 +51,9 @@ EPD_LAYOUT = {
 
 def scrape(server: ServerSpec, name: str, **labels: str) -> float:
     """Sum of the series ``name`` on a server's ``/metrics`` whose labels include ``labels``."""
-    url = f"http://{server.host}:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    total, found = 0.0, False
-    for line in lines:
-        series, _, value = line.rpartition(" ")
-        if series.partition("{")[0] == name and all(w in series for w in wanted):
-            total += float(value)
-            found = True
-    if not found:
-        raise AssertionError(f"no series {name}{labels or ''} at {url}")
-    return total
+    from orchestrator.metrics import scrape as read
+
+    return read(server.host, server.metrics_port, name, **labels)
 
 
 def cache_metrics(encoder: ServerSpec, settle_s: float = 1.1) -> dict[str, float]:

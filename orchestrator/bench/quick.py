@@ -134,7 +134,7 @@ def _photo_pixels(name: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(sample_photo(name))).convert("RGB"))
 
 
-def _photo_variant(name: str, serial: int) -> bytes:
+def photo_variant(name: str, serial: int) -> bytes:
     """The photo rolled sideways by ``serial`` pixels: same size (same work) but new content,
     so neither vLLM's prefix/multimodal caches nor ``epd``'s image hashes see a repeat."""
     from PIL import Image
@@ -156,7 +156,7 @@ def workload(count: int, first_serial: int) -> list[BenchRequest]:
     for i in range(count):
         serial = first_serial + i
         photo, prompt = MIX[i % len(MIX)]
-        images = (_photo_variant(photo, serial),) if photo else ()
+        images = (photo_variant(photo, serial),) if photo else ()
         requests.append(BenchRequest(f"{prompt} (request {serial})", images))
     return requests
 
@@ -310,7 +310,7 @@ async def _send(
     return RequestResult(request.kind, ttft_s, latency_s, len(pieces), "".join(pieces))
 
 
-async def _run_round(
+async def run_round(
     client: InferenceServerClient, model: str, requests: list[BenchRequest], settings: Settings
 ) -> tuple[list[RequestResult], float]:
     sampling = {"max_tokens": settings.max_tokens, "temperature": 0}
@@ -337,13 +337,13 @@ async def _bench(url: str, settings: Settings) -> list[Round]:
                 raise BenchError(f"model {model!r} is not ready at {url}")
         warmup = workload(WARMUP_REQUESTS, first_serial=0)
         for model in MODELS:
-            results, _ = await _run_round(client, model, warmup, settings)
+            results, _ = await run_round(client, model, warmup, settings)
             if all(r.error for r in results):
                 raise BenchError(f"every warm-up request to {model!r} failed: {results[0].error}")
         for index in range(settings.rounds):
             requests = workload(settings.requests, WARMUP_REQUESTS + index * settings.requests)
             for model in round_order(index):
-                results, wall_s = await _run_round(client, model, requests, settings)
+                results, wall_s = await run_round(client, model, requests, settings)
                 rounds.append(Round(model, index, results, wall_s))
                 errors = sum(r.error is not None for r in results)
                 print(
@@ -354,7 +354,7 @@ async def _bench(url: str, settings: Settings) -> list[Round]:
     return rounds
 
 
-def _version(module: str) -> str | None:
+def package_version(module: str) -> str | None:
     dists = metadata.packages_distributions().get(module)
     return metadata.version(dists[0]) if dists else None
 
@@ -393,7 +393,10 @@ def run(url: str, settings: Settings, args: dict[str, Any]) -> dict[str, Any]:
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
         },
-        "versions": {"vllm": _version("vllm"), "tritonclient": _version("tritonclient")},
+        "versions": {
+            "vllm": package_version("vllm"),
+            "tritonclient": package_version("tritonclient"),
+        },
         "args": args,
         "url": url,
         "settings": settings,
@@ -422,8 +425,8 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def embedded(topology: Topology, timeout_s: float) -> Iterator[str]:
-    """Run ``topology`` on free ports in a throwaway workdir; yield the front's gRPC URL.
+def embedded(topology: Topology, timeout_s: float) -> Iterator[Topology]:
+    """Run ``topology`` on free ports in a throwaway workdir; yield it as it runs.
 
     The deployment is always stopped, whatever happens inside.
     """
@@ -432,4 +435,4 @@ def embedded(topology: Topology, timeout_s: float) -> Iterator[str]:
     topology = on_free_ports(topology)
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as workdir:
         with Deployment(topology, Path(workdir)).running(timeout_s):
-            yield topology.server_of("epd")[1].grpc_url
+            yield topology

@@ -202,6 +202,20 @@ def test_full_cache_fails_with_unavailable_then_recovers(stack):
     assert stats["expired"] >= 2 * POOL_BLOCKS and stats["pinned_handles"] == 0
 
 
+def test_cache_benchmark_runs_end_to_end(stack):
+    """``epd bench cache`` against this deployment: every repeat was served without an
+    encoder pass (counted by Triton), and both phases have TTFTs."""
+    from orchestrator.bench import cache, quick
+
+    settings = quick.Settings(requests=2, concurrency=2, rounds=1, max_tokens=2, timeout_s=60)
+    url = stack.topology.servers["front"].grpc_url
+    report = cache.run(url, stack.topology, settings, images=2, args={})
+    assert report["errors"] == []
+    assert (report["image_requests"], report["encoder_passes"]) == (4, 2)
+    assert report["hit_over_miss"]["p50"] is not None
+    assert cache.ratio_line(report).startswith("cache: TTFT p50 hit/miss")
+
+
 def _workload(n: int) -> list[tuple[str, list[bytes]]]:
     images = [photo(400 + k) for k in range(6)] + [sample_photo("astronaut")]
     items: list[tuple[str, list[bytes]]] = []

@@ -16,7 +16,6 @@ from orchestrator.bench.quick import (
     RequestResult,
     Round,
     Settings,
-    _run_round,
     build_report,
     format_table,
     output_mismatches,
@@ -24,6 +23,7 @@ from orchestrator.bench.quick import (
     ratio_line,
     ratios,
     round_order,
+    run_round,
     summarize,
     warnings,
     workload,
@@ -171,7 +171,7 @@ class FakeClient:
 def test_a_round_streams_each_request_and_records_pieces_or_the_error():
     client = FakeClient()
     settings = Settings(requests=3, concurrency=2, rounds=1, max_tokens=4, timeout_s=30)
-    results, wall_s = asyncio.run(_run_round(client, "epd", workload(3, 0), settings))
+    results, wall_s = asyncio.run(run_round(client, "epd", workload(3, 0), settings))
     assert wall_s >= 0 and len(client.streams) == 3
     assert all(stream.cancelled for stream in client.streams), "every stream is closed"
     image, text, _ = results
@@ -216,3 +216,29 @@ def test_free_ports_keep_the_layout(tmp_path):
     assert {n: s.stages for n, s in moved.servers.items()} == {
         n: s.stages for n, s in default.servers.items()
     }
+
+
+def test_cache_bench_summary_counts_passes_saved_and_hit_ratio():
+    from orchestrator.bench.cache import CacheRound, ratio_line, round_requests
+    from orchestrator.bench.cache import summarize as summarize_cache
+
+    def results(*ttfts):
+        return [RequestResult("image", t, 2 * t, 3, "x") for t in ttfts]
+
+    rounds = [
+        CacheRound(miss=results(0.2, 0.4), hit=results(0.1, 0.1), passes=2),
+        CacheRound(miss=results(0.3, 0.3), hit=results(0.15, 0.15), passes=3),
+    ]
+    summary = summarize_cache(rounds)
+    assert summary["ttft_s"]["miss"]["p50"] == pytest.approx(0.3)
+    assert summary["hit_over_miss"]["p50"] == pytest.approx(0.125 / 0.3)
+    assert (summary["image_requests"], summary["encoder_passes"], summary["passes_saved"]) == (
+        8,
+        5,
+        3,
+    )
+    assert ratio_line(summary).startswith("cache: TTFT p50 hit/miss 0.42x (125 vs 300 ms), 5 ")
+    first, again = round_requests(0, 3), round_requests(1, 3)
+    assert [r.images for r in first["miss"]] == [r.images for r in first["hit"]]
+    assert first["miss"][0].text != first["hit"][0].text
+    assert not {r.images for r in first["miss"]} & {r.images for r in again["miss"]}
