@@ -6,6 +6,7 @@ One pydantic model validated in one place; every other module receives an alread
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +35,12 @@ class ServerSpec(_Spec):
     """One Triton server process (one host in a multi-host deployment)."""
 
     host: str = LOOPBACK
-    """Address the server binds and that other servers use to reach it."""
+    """Address other servers and clients use to reach this one (an IP or a DNS name); the
+    server also binds it unless ``bind`` is set."""
+    bind: str | None = None
+    """IP address the server's sockets bind to when it differs from ``host``: ``0.0.0.0`` in
+    a container or pod whose ``host`` is a service name, or one interface's IP. Triton binds
+    only IP addresses, so a ``host`` that is a name needs this."""
     http_port: int = Field(ge=1, le=65535)
     """KServe v2 HTTP port."""
     grpc_port: int = Field(ge=1, le=65535)
@@ -54,6 +60,23 @@ class ServerSpec(_Spec):
     netns: str | None = None
     """Linux network namespace to start the server in (``ip netns exec``): separate hosts
     on one machine, as the multi-host tests use; ``None`` = this process's namespace."""
+
+    @property
+    def bind_address(self) -> str:
+        return self.bind or self.host
+
+    @model_validator(mode="after")
+    def _check_addresses(self) -> ServerSpec:
+        try:
+            ipaddress.ip_address(self.bind_address)
+        except ValueError:
+            what = "bind" if self.bind else "host"
+            hint = "" if self.bind else " (a DNS name is fine as host: then set bind: 0.0.0.0)"
+            raise ValueError(
+                f"{what} {self.bind_address!r} is not an IP address; Triton binds only IP "
+                f"addresses{hint}"
+            ) from None
+        return self
 
     @property
     def grpc_url(self) -> str:

@@ -61,7 +61,8 @@ class EncodeHandler:
             cache=spec.cache,
             ttl_s=spec.ttl_s,
             reclaim_grace_s=spec.reclaim_grace_s,
-            host=topo.servers[ctx.server].host,
+            host=topo.servers[ctx.server].bind_address,
+            advertise_host=topo.servers[ctx.server].host,
         )
         self._encoding: dict[str, asyncio.Future] = {}  # content hash -> its encoder pass
         self.metrics = MetricsPublisher(
@@ -160,6 +161,7 @@ class PrefillHandler:
 
         kind = ctx.topology.transfer.kind
         self.engine = LLMEngine.for_model(ctx, "prefill")
+        self.public_host = ctx.topology.servers[ctx.server].host
         self.consumer = make_consumer(kind)
         self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "transport": kind})
         self.fetch_seconds = self.metrics.histogram(
@@ -206,10 +208,13 @@ class PrefillHandler:
             final = out
         if final is None:
             raise StageError("prefill produced no output")
+        kv_params = final.kv_transfer_params
+        if kv_params and "remote_host" in kv_params:  # vLLM advertises its bind address
+            kv_params = {**kv_params, "remote_host": self.public_host}
         yield to_tensor(
             "result",
             PrefillResult(
-                kv_transfer_params=final.kv_transfer_params,
+                kv_transfer_params=kv_params,
                 num_prompt_tokens=len(final.prompt_token_ids or []),
             ),
         )

@@ -56,9 +56,11 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
         "TRANSFORMERS_OFFLINE": "1",
     }
     if role in ("prefill", "decode"):
-        host = topology.servers[server].host
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1, host)[0])
+        # vLLM binds its side channel here and advertises the same address in
+        # kv_transfer_params; PrefillHandler puts the server's public ``host`` there instead.
+        bind = topology.servers[server].bind_address
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1, bind)[0])
     return env
 
 

@@ -53,7 +53,9 @@ def scrape(server: ServerSpec, name: str, **labels: str) -> float:
     """Sum of the series ``name`` on a server's ``/metrics`` whose labels include ``labels``."""
     from orchestrator.metrics import scrape as read
 
-    return read(server.host, server.metrics_port, name, **labels)
+    # A server known by name inside its namespace is reached here by the IP it binds.
+    address = server.bind if server.bind not in (None, "0.0.0.0", "::") else server.host
+    return read(address, server.metrics_port, name, **labels)
 
 
 def cache_metrics(encoder: ServerSpec, settle_s: float = 1.1) -> dict[str, float]:

@@ -82,7 +82,7 @@ class Deployment:
             f"{name} {spec.host}:{port}"
             for name, spec in self.local.items()
             for port in spec.ports
-            if spec.netns is None and _port_in_use(spec.host, port)
+            if spec.netns is None and _port_in_use(spec.bind_address, port)
         ]
         if busy:
             self._release()
@@ -101,7 +101,8 @@ class Deployment:
             for name, spec in self.local.items():
                 server = TritonServer(
                     model_repository=repos[name],
-                    host=spec.host,
+                    host=spec.bind_address,
+                    probe_host=spec.host,
                     http_port=spec.http_port,
                     grpc_port=spec.grpc_port,
                     metrics_port=spec.metrics_port,

@@ -87,6 +87,8 @@ class TritonServer:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     netns: str | None = None
+    probe_host: str | None = None
+    """Where to check readiness when ``host`` (the bind address) is a wildcard."""
     exit_timeout_s: int = 15
     _proc: subprocess.Popen | None = None
     _scratch: tempfile.TemporaryDirectory | None = None
@@ -136,7 +138,10 @@ class TritonServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        host = self.host
+        if host in ("0.0.0.0", "::"):
+            host = self.probe_host or "127.0.0.1"
+        return f"http://{host}:{self.http_port}"
 
     def is_ready(self) -> bool:
         try:

@@ -1,17 +1,19 @@
 """Separate "hosts" on one machine: one Linux network namespace per host, all on one bridge.
 
-Each host gets its own address on a private /24 that exists only on this bridge; the test
-process reaches them through the bridge's own address. Everything is deleted afterwards,
-also when the test fails.
+Each host gets its own address on a private /24 that exists only on this bridge, and knows
+the others by name; the test process reaches them through the bridge's own address.
+Everything is deleted afterwards, also when the test fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,17 @@ def isolated_hosts(names: list[str]) -> Iterator[dict[str, Host]]:
             _ip("link", "set", inside, "up", netns=netns)
             _ip("link", "set", "lo", "up", netns=netns)
             hosts[name] = Host(netns, ip)
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts: the hosts know each
+        # other by name, as containers or pods on one network do.
+        table = "127.0.0.1 localhost\n" + "".join(f"{h.ip} {n}\n" for n, h in hosts.items())
+        for host in hosts.values():
+            etc = Path("/etc/netns") / host.netns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(table)
         yield hosts
     finally:
         for netns in namespaces:  # deleting a namespace deletes its end of the veth pair
+            shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
             with contextlib.suppress(RuntimeError):
                 _ip("netns", "del", netns)
         with contextlib.suppress(RuntimeError):

@@ -29,6 +29,9 @@ pytestmark = [
 
 LAYOUTS = {
     "E/P/D": EPD_LAYOUT,
+    # Encoder and prefill known by name (as services in compose or k8s), bound to their IP:
+    # NIXL handles, vLLM's KV side channel and stage calls all go by name.
+    "E/P/D by name": EPD_LAYOUT,
     "2E/P/D": {
         "encoder1": ["encode"],
         "encoder2": ["encode"],
@@ -43,9 +46,11 @@ def multihost_stack(
 ) -> Iterator[Topology]:
     layout = LAYOUTS[request.param]
     with isolated_hosts(list(layout)) as hosts:
+        by_name = request.param.endswith("by name")
         servers = {
             name: ServerSpec(
-                host=hosts[name].ip,
+                host=name if by_name and name != "front" else hosts[name].ip,
+                bind=hosts[name].ip if by_name and name != "front" else None,
                 netns=hosts[name].netns,
                 http_port=8000,
                 grpc_port=8001,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from orchestrator.config import ServerSpec, Topology, default_topology
 from orchestrator.protocol import (
@@ -171,3 +172,13 @@ def test_instances_of_a_model_the_server_does_not_host_are_rejected():
                 )
             },
         )
+
+
+def test_a_host_name_needs_an_ip_to_bind():
+    ports = {"http_port": 1, "grpc_port": 2, "metrics_port": 3, "stages": ["epd"]}
+    with pytest.raises(ValidationError, match="Triton binds only IP addresses .*bind: 0.0.0.0"):
+        ServerSpec(host="encoder.svc", **ports)
+    with pytest.raises(ValidationError, match="bind 'eth0' is not an IP address"):
+        ServerSpec(host="encoder.svc", bind="eth0", **ports)
+    spec = ServerSpec(host="encoder.svc", bind="0.0.0.0", **ports)
+    assert (spec.bind_address, spec.grpc_url) == ("0.0.0.0", "encoder.svc:2")
