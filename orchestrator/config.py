@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 StageName = Literal["encode", "prefill", "decode", "epd", "aggregated"]
 """Triton models a server can host. ``encode`` brings its ``vision_encoder`` along."""
 
-TransferKind = Literal["nixl", "inline"]
+TransferKind = Literal["nixl", "mooncake", "inline"]
 EncoderRuntimeKind = Literal["onnxruntime", "tensorrt"]
 
 LOOPBACK = "127.0.0.1"
@@ -95,8 +95,9 @@ class TransferSpec(_Spec):
     """How embeddings travel from the encoder to prefill."""
 
     kind: TransferKind = "nixl"
-    """``nixl``: metadata-only handle, prefill pulls with a NIXL READ. ``inline``: bytes in
-    the request (A/B baseline)."""
+    """``nixl``: metadata-only handle, prefill pulls with a NIXL READ. ``mooncake``: the
+    same with Mooncake's TransferEngine (optional install). ``inline``: bytes in the request
+    (A/B baseline)."""
     pool_bytes: int = Field(default=64 << 20, gt=0)
     """Byte budget of each encoder's embedding cache (for NIXL: the DRAM pool registered
     once at start)."""

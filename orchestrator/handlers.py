@@ -162,7 +162,7 @@ class PrefillHandler:
         kind = ctx.topology.transfer.kind
         self.engine = LLMEngine.for_model(ctx, "prefill")
         self.public_host = ctx.topology.servers[ctx.server].host
-        self.consumer = make_consumer(kind)
+        self.consumer = make_consumer(kind, host=self.public_host)
         self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "transport": kind})
         self.fetch_seconds = self.metrics.histogram(
             "epd_embedding_fetch_seconds", "Time to pull one image's embeddings from its encoder"

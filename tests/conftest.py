@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +30,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from orchestrator.model.tiny import build_model
 
     return build_model(tmp_path_factory.mktemp("model") / "tiny", profile="tiny", seed=0)
+
+
+@functools.cache
+def mooncake_unavailable() -> str | None:
+    """``None`` when Mooncake's engine loads here, else why not (it is an optional install)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True
+    )
+    if probe.returncode:
+        return f"Mooncake TransferEngine does not load: {probe.stderr.strip().splitlines()[-1]}"
+    return None
 
 
 def local_topology(model: Path, layout: dict[str, list[str]], **settings) -> Topology:

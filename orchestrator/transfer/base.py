@@ -21,7 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.cache import Entry, EntryTable
 from orchestrator.config import TransferKind
-from orchestrator.protocol import EmbeddingHandle, InlinePayload, NixlLocation, TransferError
+from orchestrator.protocol import (
+    EmbeddingHandle,
+    InlinePayload,
+    MooncakeLocation,
+    NixlLocation,
+    TransferError,
+)
 
 DTYPES = ("float32", "float16", "bfloat16")
 """Embedding dtypes a handle can carry (``bfloat16`` is numpy's via ``ml_dtypes``)."""
@@ -76,6 +82,8 @@ class ConsumerConfig(BaseModel):
     """Sleep between checks of an in-flight READ (short: it sits on the request path)."""
     initial_buffer_bytes: int = Field(default=16 << 20, gt=0)
     """Size of the registered receive buffer at start; it is re-registered larger on demand."""
+    host: str = "127.0.0.1"
+    """This side's address as producers see it (Mooncake's local hostname)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ class EmbeddingProducer(ABC):
         """Return a slot's storage; readers of it must fail from now on."""
 
     @abstractmethod
-    def _location(self, slot: Any) -> NixlLocation | InlinePayload:
+    def _location(self, slot: Any) -> NixlLocation | MooncakeLocation | InlinePayload:
         """What a handle for this slot tells the consumer."""
 
     @abstractmethod
@@ -312,6 +320,10 @@ class EmbeddingConsumer(ABC):
 
 _TRANSPORTS: dict[str, tuple[str, str]] = {
     "nixl": ("orchestrator.transfer.nixl:NixlProducer", "orchestrator.transfer.nixl:NixlConsumer"),
+    "mooncake": (
+        "orchestrator.transfer.mooncake:MooncakeProducer",
+        "orchestrator.transfer.mooncake:MooncakeConsumer",
+    ),
     "inline": (
         "orchestrator.transfer.inline:InlineProducer",
         "orchestrator.transfer.inline:InlineConsumer",
@@ -361,6 +373,16 @@ def as_embedding(embeds: np.ndarray) -> tuple[np.ndarray, str]:
     if embeds.dtype.name not in DTYPES:
         raise ValueError(f"embeddings dtype {embeds.dtype.name} not in {DTYPES}")
     return np.ascontiguousarray(embeds), embeds.dtype.name
+
+
+def location_of(handle: EmbeddingHandle, kind: str) -> Any:
+    """The handle's location, refusing one another transport made."""
+    if handle.location.kind != kind:
+        raise TransferError(
+            f"handle {handle.handle_id} is a {handle.location.kind} handle, this consumer is "
+            f"{kind} (encoder and prefill disagree on transfer.kind)"
+        )
+    return handle.location
 
 
 def new_handle_id() -> str:

@@ -15,6 +15,7 @@ from orchestrator.transfer.base import (
     ProducerConfig,
     StorageUsage,
     check_not_expired,
+    location_of,
     numpy_dtype,
 )
 
@@ -74,12 +75,8 @@ class InlineConsumer(EmbeddingConsumer):
     kind = "inline"
 
     def fetch(self, handle: EmbeddingHandle) -> np.ndarray:
-        loc, hid = handle.location, handle.handle_id
-        if not isinstance(loc, InlinePayload):
-            raise TransferError(
-                f"handle {hid} is a {loc.kind} handle, this consumer is inline "
-                "(encoder and prefill disagree on transfer.kind)"
-            )
+        loc: InlinePayload = location_of(handle, self.kind)
+        hid = handle.handle_id
         check_not_expired(handle)
         try:
             raw = base64.b64decode(loc.data_b64, validate=True)

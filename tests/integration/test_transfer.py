@@ -17,8 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import mooncake_unavailable
+
 PEER = Path(__file__).with_name("transfer_peer.py")
-KINDS = ["nixl", "inline"]
+_MOONCAKE = pytest.param(
+    "mooncake",
+    marks=pytest.mark.skipif(bool(mooncake_unavailable()), reason=str(mooncake_unavailable())),
+)
+KINDS = ["nixl", _MOONCAKE, "inline"]
+POOLED = ["nixl", _MOONCAKE]
+"""Transports that pull from a registered pool on the producer (one-sided READs)."""
 MIB = 1 << 20
 
 
@@ -189,11 +197,12 @@ def test_cached_embedding_outlives_its_pull(kind, producer, consumer):
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-def test_lru_eviction_under_a_small_budget():
+@pytest.mark.parametrize("pooled", POOLED)
+def test_lru_eviction_under_a_small_budget(pooled):
     """Room for three: a fourth evicts the least recently used unpinned entry, whose old
     handles then fail cleanly; the recently used one survives."""
-    producer = Peer("producer", "nixl", pool_bytes=MIB, block_bytes=64 << 10)
-    consumer = Peer("consumer", "nixl")
+    producer = Peer("producer", pooled, pool_bytes=MIB, block_bytes=64 << 10)
+    consumer = Peer("consumer", pooled)
     try:
         shape = [(256, 256)]  # 256 KiB + framing = 5 blocks; 16 blocks in the pool
         puts = [producer.put(shape, seed=s)[0] for s in (1, 2, 3)]
@@ -219,9 +228,10 @@ def test_lru_eviction_under_a_small_budget():
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-def test_cache_off_frees_on_pull_and_release():
-    producer = Peer("producer", "nixl", cache=False)
-    consumer = Peer("consumer", "nixl")
+@pytest.mark.parametrize("pooled", POOLED)
+def test_cache_off_frees_on_pull_and_release(pooled):
+    producer = Peer("producer", pooled, cache=False)
+    consumer = Peer("consumer", pooled)
     try:
         [first] = producer.put([(8, 64)], seed=2000)
         assert_fetched([first], consumer.fetch([first["handle"]]))
@@ -261,7 +271,7 @@ def test_expired_handle_is_refused_and_reclaimed(kind, consumer):
         time.sleep(0.4)
         [got] = consumer.fetch([put["handle"]])
         assert "expired" in got["error"]
-        if kind == "nixl":  # it stops pinning its entry once ttl + grace have passed
+        if kind in POOLED:  # it stops pinning its entry once ttl + grace have passed
             stats = wait_unpinned(peer)
             assert (stats["pinned_handles"], stats["expired"]) == (0, 1)
     finally:
@@ -270,8 +280,9 @@ def test_expired_handle_is_refused_and_reclaimed(kind, consumer):
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-def test_pool_full_of_pinned_embeddings_fails_put_clearly():
-    peer = Peer("producer", "nixl", pool_bytes=MIB, block_bytes=64 << 10)
+@pytest.mark.parametrize("pooled", POOLED)
+def test_pool_full_of_pinned_embeddings_fails_put_clearly(pooled):
+    peer = Peer("producer", pooled, pool_bytes=MIB, block_bytes=64 << 10)
     try:
         puts = peer.put([(256, 256)] * 2)  # 256 KiB + framing = 5 blocks each
         assert all("handle" in p for p in puts)
@@ -305,6 +316,33 @@ def test_dead_producer_fails_fast():
     try:
         [got] = cold.fetch([third["handle"]], timeout=30)
         assert "unreachable at" in got["error"] and "refused" in got["error"]
+    finally:
+        cold.close()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(bool(mooncake_unavailable()), reason=str(mooncake_unavailable()))
+def test_dead_mooncake_producer_fails_fast():
+    """Killed after a first pull (session known) and for a consumer that never met it."""
+    producer = Peer("producer", "mooncake")
+    warm = Peer("consumer", "mooncake")
+    try:
+        first, second = producer.put([(64, 256)] * 2)
+        assert_fetched([first], warm.fetch([first["handle"]]))
+        producer.kill()
+        start = time.monotonic()
+        [got] = warm.fetch([second["handle"]], timeout=30)
+        assert "Mooncake READ" in got["error"] and "dead or unreachable" in got["error"]
+        assert time.monotonic() - start < 10
+    finally:
+        producer.kill()
+        warm.close()
+    cold = Peer("consumer", "mooncake")
+    try:
+        start = time.monotonic()
+        [got] = cold.fetch([second["handle"]], timeout=30)
+        assert "Mooncake READ" in got["error"] and time.monotonic() - start < 10
     finally:
         cold.close()
 
