@@ -11,9 +11,12 @@ storage of whatever entries it hands back.
 from __future__ import annotations
 
 import heapq
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(eq=False)
@@ -136,3 +139,37 @@ class EntryTable:
         self._handles.clear()
         self._expiry.clear()
         return entries
+
+
+class LocalEmbeddingCache:
+    """Prefill's own LRU of pulled embeddings by content hash, within ``max_bytes``, so a
+    hot image does not cross the network again. Thread-safe; arrays are shared read-only
+    (callers copy when they build engine inputs)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._arrays: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            found = self._arrays.get(key)
+            if found is not None:
+                self._arrays.move_to_end(key)
+                self.hits += 1
+            return found
+
+    def put(self, key: str, array: np.ndarray) -> None:
+        if array.nbytes > self.max_bytes:
+            return
+        array.setflags(write=False)
+        with self._lock:
+            if key in self._arrays:
+                return
+            self._arrays[key] = array
+            self._bytes += array.nbytes
+            while self._bytes > self.max_bytes:
+                _, old = self._arrays.popitem(last=False)
+                self._bytes -= old.nbytes

@@ -109,6 +109,9 @@ class TransferSpec(_Spec):
     reclaim_grace_s: float = Field(default=10.0, ge=0)
     """Extra time past ``ttl_s`` before an unpulled embedding may be evicted (above the
     consumer's 5 s READ timeout, so a late READ never sees its slot reused)."""
+    prefill_cache_bytes: int = Field(default=0, ge=0)
+    """Bytes of pulled embeddings each prefill keeps by content hash, so a hot image does
+    not cross the network again (the encoder's handle is then released unread); 0: off."""
     full_wait_s: float = Field(default=2.0, ge=0)
     """How long an encode waits for room when the cache is full of pinned embeddings before
     it fails with UNAVAILABLE."""

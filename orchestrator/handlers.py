@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
+from orchestrator.cache import LocalEmbeddingCache
 from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
 from orchestrator.llm import LLMEngine, image_input, to_vllm_sampling
 from orchestrator.protocol import (
@@ -33,6 +35,7 @@ from orchestrator.transfer.base import PoolFullError
 from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
+log = logging.getLogger(__name__)
 
 
 async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -173,6 +176,12 @@ class PrefillHandler:
             "Embedding bytes pulled from encoders",
             lambda: self.fetched_bytes,
         )
+        self.local = LocalEmbeddingCache(ctx.topology.transfer.prefill_cache_bytes)
+        self.metrics.counter(
+            "epd_prefill_cache_hits_total",
+            "Images whose embeddings prefill already held (not pulled again)",
+            lambda: self.local.hits,
+        )
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> PrefillHandler:
@@ -180,21 +189,31 @@ class PrefillHandler:
         handler.metrics.start()
         return handler
 
-    def _fetch(self, handle: EmbeddingHandle) -> np.ndarray:
+    def _fetch(self, handle: EmbeddingHandle) -> tuple[np.ndarray, bool]:
+        """The handle's embeddings and whether they were pulled (not found locally)."""
+        if (held := self.local.get(handle.content_hash)) is not None:
+            try:
+                self.consumer.release(handle)
+            except Exception as exc:  # noqa: BLE001 - the pin then lasts until its TTL
+                log.warning("release of handle %s failed: %s", handle.handle_id, exc)
+            return held, False
         start = time.perf_counter()
         embeds = self.consumer.fetch(handle)
         self.fetch_seconds.observe(time.perf_counter() - start)
-        return embeds
+        self.local.put(handle.content_hash, embeds)
+        return embeds, True
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
         images = None
         if request.handles:
             loop = asyncio.get_running_loop()
-            embeds = [
+            fetched = [
                 await loop.run_in_executor(None, self._fetch, handle) for handle in request.handles
             ]
-            self.fetched_bytes += sum(e.nbytes for e in embeds)  # on the loop thread only
+            embeds = [array for array, _ in fetched]
+            # Summed on the loop thread only.
+            self.fetched_bytes += sum(array.nbytes for array, pulled in fetched if pulled)
             images = image_input([h.image_grid_thw for h in request.handles], embeds)
         from vllm import SamplingParams
 

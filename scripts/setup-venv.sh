@@ -49,7 +49,7 @@ pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 #    mooncake`). Its engine links libibverbs.so.1: Debian's libibverbs1 *without*
 #    recommends (ibverbs-providers next to NIXL's UCX segfaults at exit).
 pip install mooncake-transfer-engine-non-cuda==0.3.13.post1
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+if ! ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; } ||
       echo "note: could not install libibverbs1; the mooncake transport will be unavailable" >&2

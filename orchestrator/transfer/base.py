@@ -308,6 +308,10 @@ class EmbeddingConsumer(ABC):
         Raises :class:`TransferError` saying why when the handle cannot be resolved.
         """
 
+    def release(self, handle: EmbeddingHandle) -> None:  # noqa: B027 - nothing pinned
+        """Tell the producer this handle will not be pulled (its embeddings are already
+        here). Best effort: a lost release costs the pin until the handle's TTL."""
+
     def close(self) -> None:  # noqa: B027 - a no-op for transports that hold nothing
         """Free resources; idempotent."""
 

@@ -33,6 +33,7 @@ from orchestrator.transfer.base import (
     location_of,
 )
 from orchestrator.transfer.registered import (
+    NONCE_BYTES,
     PoolProducer,
     ReceiveBuffer,
     Slot,
@@ -126,6 +127,19 @@ class MooncakeConsumer(EmbeddingConsumer):
                     f"(rc {rc}: producer dead or unreachable?)"
                 )
             return unframe(handle, buf[: loc.length], nonce, loc.session)
+
+    def release(self, handle: EmbeddingHandle) -> None:
+        """A READ of the slot's leading nonce, carrying the handle id as its notification."""
+        from mooncake.engine import TransferNotify, TransferOpcode
+
+        loc: MooncakeLocation = location_of(handle, self.kind)
+        notify = TransferNotify()
+        notify.name, notify.msg = "epd", handle.handle_id
+        with self._lock:
+            buf = self._recv.ensure(NONCE_BYTES)
+            self._engine.transfer_sync(
+                loc.session, buf.ctypes.data, loc.addr, NONCE_BYTES, TransferOpcode.Read, notify
+            )
 
     def close(self) -> None:
         with self._lock:

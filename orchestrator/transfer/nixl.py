@@ -35,6 +35,7 @@ from orchestrator.transfer.base import (
     location_of,
 )
 from orchestrator.transfer.registered import (
+    NONCE_BYTES,
     PoolProducer,
     ReceiveBuffer,
     Slot,
@@ -158,6 +159,18 @@ class NixlConsumer(EmbeddingConsumer):
                 self._add_remote(loc, metadata or _fetch_metadata(loc, timeout))
             return unframe(handle, self._read(handle.handle_id, loc), nonce, loc.agent)
 
+    def release(self, handle: EmbeddingHandle) -> None:
+        """A READ of the slot's leading nonce, carrying the handle id as its notification."""
+        loc: NixlLocation = location_of(handle, self.kind)
+        timeout = self.config.connect_timeout_s
+        metadata = None if loc.agent in self._remotes else _fetch_metadata(loc, timeout)
+        with self._lock:
+            if loc.agent not in self._remotes:
+                self._add_remote(loc, metadata or _fetch_metadata(loc, timeout))
+            # A bare send_notif never arrived in testing (this side runs no progress
+            # thread); a 16-byte READ with the notification attached does.
+            self._read(handle.handle_id, loc, NONCE_BYTES)
+
     def _add_remote(self, loc: NixlLocation, metadata: bytes) -> None:
         try:
             name = self._agent.add_remote_agent(metadata)
@@ -181,16 +194,18 @@ class NixlConsumer(EmbeddingConsumer):
         except Exception as exc:
             log.debug("remove_remote_agent(%s): %s", agent, exc)
 
-    def _read(self, hid: str, loc: NixlLocation) -> np.ndarray:
-        """READ the remote region into the receive buffer, bounded by ``xfer_timeout_s``."""
-        buf = self._recv.ensure(loc.length)
+    def _read(self, hid: str, loc: NixlLocation, length: int | None = None) -> np.ndarray:
+        """READ the remote region (or its first ``length`` bytes) into the receive buffer,
+        bounded by ``xfer_timeout_s``; the handle id goes along as the notification."""
+        length = loc.length if length is None else length
+        buf = self._recv.ensure(length)
         agent = self._agent
         state = "ERR"
         try:
             xfer = agent.initialize_xfer(
                 "READ",
-                agent.get_xfer_descs([(buf.ctypes.data, loc.length, 0)], "DRAM"),
-                agent.get_xfer_descs([(loc.addr, loc.length, 0)], "DRAM"),
+                agent.get_xfer_descs([(buf.ctypes.data, length, 0)], "DRAM"),
+                agent.get_xfer_descs([(loc.addr, length, 0)], "DRAM"),
                 loc.agent,
                 hid.encode(),
             )
@@ -211,7 +226,7 @@ class NixlConsumer(EmbeddingConsumer):
             state = "ERR"
         if state == "DONE":
             agent.release_xfer_handle(xfer)
-            return buf[: loc.length]
+            return buf[:length]
         self._forget(loc.agent)
         try:
             agent.release_xfer_handle(xfer)

@@ -58,7 +58,11 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         tiny_model,
         LAYOUT,
         transfer=TransferSpec(
-            pool_bytes=POOL_BLOCKS * (64 << 10), ttl_s=TTL_S, reclaim_grace_s=1, full_wait_s=1
+            pool_bytes=POOL_BLOCKS * (64 << 10),
+            ttl_s=TTL_S,
+            reclaim_grace_s=1,
+            full_wait_s=1,
+            prefill_cache_bytes=256 << 10,
         ),
         routing={"health_interval_s": 0.5, "probe_timeout_s": 1},
         limits={"stage_timeout_s": 30},
@@ -110,6 +114,25 @@ def test_repeated_images_are_encoded_once_across_two_encoders(stack):
     assert _passes(topo) - before == 3
     assert _cache(topo)["hits"] - hits_before == 9
     assert all(encoder_passes(topo.servers[name]) > 0 for name in ENCODERS)
+
+
+def test_hot_image_is_not_pulled_again_by_prefill(stack):
+    """Prefill keeps what it pulled: a repeat is answered from its cache, the encoder's
+    handle is released unread (its pin goes at once, not at TTL), the answer is the same."""
+    topology = stack.topology
+    prefill = topology.servers["prefill"]
+    image = photo(7)
+    first = _ask(stack, [image])
+    time.sleep(1.1)
+    pulled = scrape(prefill, "epd_embedding_fetch_bytes_total")
+    hits = scrape(prefill, "epd_prefill_cache_hits_total")
+    assert _ask(stack, [image]) == first
+    time.sleep(1.1)
+    assert scrape(prefill, "epd_embedding_fetch_bytes_total") == pulled
+    assert scrape(prefill, "epd_prefill_cache_hits_total") == hits + 1
+    for name in ENCODERS:
+        stats = wait_unpinned(topology.servers[name], timeout_s=3)
+        assert stats["pinned_handles"] == 0 and stats["expired"] == 0, (name, stats)
 
 
 def test_eviction_under_the_byte_budget(stack):

@@ -197,6 +197,16 @@ def test_cached_embedding_outlives_its_pull(kind, producer, consumer):
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
+def test_consumer_release_unpins_without_a_pull(kind, producer, consumer):
+    """What prefill does for a handle whose embeddings it already holds."""
+    [put] = producer.put([(16, 64)], seed=4000)
+    assert producer.request("stats")["pinned_handles"] >= (kind != "inline")
+    assert consumer.request("release", handle=put["handle"])["released"]
+    assert wait_unpinned(producer)["pinned_handles"] == 0
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("pooled", POOLED)
 def test_lru_eviction_under_a_small_budget(pooled):
     """Room for three: a fourth evicts the least recently used unpinned entry, whose old

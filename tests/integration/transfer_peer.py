@@ -85,6 +85,9 @@ def serve_consumer(kind: str, cfg: dict) -> None:
         }
 
     def run(cmd: dict) -> dict:
+        if cmd["op"] == "release":
+            consumer.release(EmbeddingHandle.model_validate(cmd["handle"]))
+            return {"released": True}
         if cmd["op"] != "fetch":
             raise ValueError(f"unknown op {cmd['op']!r}")
         with ThreadPoolExecutor(cmd.get("threads", 1)) as pool:

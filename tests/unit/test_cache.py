@@ -109,3 +109,17 @@ def test_histogram_is_cumulative():
         hist.observe(value)
     cumulative, total, count = hist.snapshot()
     assert cumulative == [2, 3, 4] and count == 4 and total == pytest.approx(3.65)
+
+
+def test_prefill_cache_keeps_recent_arrays_within_budget():
+    from orchestrator.cache import LocalEmbeddingCache
+
+    cache = LocalEmbeddingCache(max_bytes=2 * 96)  # two 4x6 float32 arrays
+    a, b, c = (_embeds(i) for i in range(3))
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # a is now the most recent
+    cache.put("c", c)
+    assert cache.get("b") is None and cache.get("c") is c and cache.hits == 2
+    assert not a.flags.writeable  # shared: nobody may change it in place
+    LocalEmbeddingCache(max_bytes=0).put("x", _embeds(5))  # off: keeps nothing, no error
