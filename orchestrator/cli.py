@@ -164,6 +164,103 @@ def cmd_bench_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_plan(args: argparse.Namespace, models: tuple[str, ...]):
+    from orchestrator.bench.load import WORKLOADS, LoadPlan
+
+    workloads = tuple(args.workload)
+    if unknown := set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"epd: unknown workload(s) {sorted(unknown)}; known: {sorted(WORKLOADS)}")
+    concurrency = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else ()
+    rates = tuple(float(r) for r in args.rate.split(",")) if args.rate else ()
+    if not concurrency and not rates:
+        raise SystemExit("epd: give --concurrency and/or --rate levels")
+    if any(c < 1 for c in concurrency) or any(r <= 0 for r in rates) or args.requests < 1:
+        raise SystemExit("epd: levels and --requests must be positive")
+    return LoadPlan(
+        models=models,
+        workloads=workloads,
+        concurrency=concurrency,
+        rates=rates,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        timeout_s=args.request_timeout,
+    )
+
+
+def _write_bench(results, args: argparse.Namespace, notes: list[str]) -> None:
+    from orchestrator.bench.load import report
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report(" ".join(sys.argv), results, notes).model_dump_json(indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from orchestrator.bench import load, quick
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    plan = _load_plan(args, tuple(args.models.split(",")))
+    with contextlib.ExitStack() as stack:
+        url, metrics = args.url, None
+        if url is None:
+            print("starting the embedded deployment on free ports ...", flush=True)
+            running = stack.enter_context(quick.embedded(_topology(args), args.timeout))
+            front = running.server_of("epd")[1]
+            url, metrics = front.grpc_url, (front.host, front.metrics_port)
+        results = asyncio.run(load.execute(url, plan, front_metrics=metrics))
+    _write_bench(results, args, [])
+    return 0
+
+
+def cmd_bench_ab(args: argparse.Namespace) -> int:
+    from orchestrator.bench import ab
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    if unknown := set(args.variant) - set(ab.VARIANTS):
+        raise SystemExit(f"epd: unknown variant(s) {sorted(unknown)}; known: {sorted(ab.VARIANTS)}")
+    plan = _load_plan(args, ())
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        from orchestrator.model.tiny import build_model
+
+        print(f"building the {args.profile} model into {model} ...", flush=True)
+        build_model(model, profile=args.profile)
+    cpus = args.pin_cpus.split(":") if args.pin_cpus else None
+    results = ab.run(model.resolve(), args.variant, plan, args.timeout, cpus)
+    notes = [f"cpu pinning per server (round-robin): {cpus}"] if cpus else []
+    _write_bench(results, args, notes)
+    return 0
+
+
+def _add_load_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    parser.add_argument("--workload", action="append", help="image|text|mixed|repeated|multi|large")
+    parser.add_argument("--concurrency", default="1,4", help="closed-loop levels, e.g. 1,2,4,8")
+    parser.add_argument("--rate", help="open-loop levels in requests/s, e.g. 1,2")
+    parser.add_argument("--requests", type=int, default=24, help="requests per load point")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--request-timeout", type=float, default=300, help="seconds per request")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    parser.add_argument("--out", default=out, help="JSON report path")
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator.bench import report
+
+    reports = report.load_reports([Path(p) for p in args.runs])
+    cache = json.loads(Path(args.cache).read_text()) if args.cache else None
+    transfer = json.loads(Path(args.transfer).read_text()) if args.transfer else None
+    text = report.render(reports, Path(args.out), Path(args.img), cache, transfer)
+    print(text.split("## Runs")[0].rstrip())
+    print(f"wrote {args.out} and plots under {args.img}")
+    return 0
+
+
 def cmd_bench_quick(args: argparse.Namespace) -> int:
     import contextlib
 
@@ -256,6 +353,27 @@ def main(argv: list[str] | None = None) -> int:
     infer.set_defaults(func=cmd_infer)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    run = bench.add_parser("run", help="load generator: workloads x models x load levels")
+    run.add_argument("--url", help="gRPC HOST:PORT of a running front (default: start one)")
+    run.add_argument("--topology", help="topology file for the embedded deployment")
+    run.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    run.add_argument("--models", default="epd,aggregated", help="comma-separated")
+    _add_load_arguments(run, ".cache/bench/run.json")
+    run.set_defaults(func=cmd_bench_run)
+    ab = bench.add_parser("ab", help="the same workload against several deployments")
+    ab.add_argument("--variant", action="append", help="deployment variants (default: all)")
+    ab.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    ab.add_argument("--profile", choices=["tiny", "bench"], default="tiny", help="if built")
+    ab.add_argument("--pin-cpus", help="CPU lists per server, round-robin, e.g. 0:1")
+    _add_load_arguments(ab, ".cache/bench/ab.json")
+    ab.set_defaults(func=cmd_bench_ab)
+    rep = bench.add_parser("report", help="Markdown + plots from benchmark JSON files")
+    rep.add_argument("runs", nargs="+", help="JSON from `bench run` / `ab` / `perf-analyzer`")
+    rep.add_argument("--cache", help="JSON from `epd bench cache`")
+    rep.add_argument("--transfer", help="JSON from `epd bench transfer`")
+    rep.add_argument("--out", default="docs/benchmarks.md")
+    rep.add_argument("--img", default="docs/img")
+    rep.set_defaults(func=cmd_bench_report)
     cache = bench.add_parser("cache", help="TTFT of repeated images (cache hits) vs new ones")
     cache.add_argument("--url", help="gRPC HOST:PORT of a running front (needs --topology)")
     cache.add_argument("--topology", help="the running deployment's topology (its encoders)")
@@ -282,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     quick.set_defaults(func=cmd_bench_quick, topology=None)
 
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) in (cmd_bench_run, cmd_bench_ab):
+        args.workload = args.workload or ["mixed"]
+    if getattr(args, "func", None) is cmd_bench_ab:
+        from orchestrator.bench.ab import VARIANTS
+
+        args.variant = args.variant or list(VARIANTS)
     return args.func(args)
 
 

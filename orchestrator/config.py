@@ -57,6 +57,9 @@ class ServerSpec(_Spec):
     instances: dict[str, int] = Field(default_factory=dict)
     """Triton instances per model on this server (``instance_group`` count; default 1),
     e.g. ``{vision_encoder: 2}``."""
+    cpus: str | None = Field(default=None, pattern=r"^[0-9,\-]+$")
+    """CPU list to pin the server to (``taskset -c``, e.g. ``0`` or ``2-3``): on one CPU box
+    it stands in for "separate hardware per stage" in benchmarks."""
     netns: str | None = None
     """Linux network namespace to start the server in (``ip netns exec``): separate hosts
     on one machine, as the multi-host tests use; ``None`` = this process's namespace."""

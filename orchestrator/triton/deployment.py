@@ -41,6 +41,7 @@ def on_free_ports(topology: Topology) -> Topology:
     for server in data["servers"].values():
         server.update(
             host="127.0.0.1",
+            bind=None,
             http_port=next(ports),
             grpc_port=next(ports),
             metrics_port=next(ports),
@@ -109,6 +110,7 @@ class Deployment:
                     log_path=self.workdir / "logs" / f"{name}.log",
                     env=spec.env,
                     netns=spec.netns,
+                    cpus=spec.cpus,
                 )
                 self.servers[name] = server
                 server.start()

@@ -87,6 +87,8 @@ class TritonServer:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     netns: str | None = None
+    cpus: str | None = None
+    """``taskset -c`` CPU list for the server and everything it starts."""
     probe_host: str | None = None
     """Where to check readiness when ``host`` (the bind address) is a wildcard."""
     exit_timeout_s: int = 15
@@ -107,8 +109,10 @@ class TritonServer:
             **self.env,
         }
         netns = ["ip", "netns", "exec", self.netns] if self.netns else []
+        pin = ["taskset", "-c", self.cpus] if self.cpus else []
         cmd = [
             *netns,
+            *pin,
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={backends}",

@@ -198,3 +198,31 @@ def test_concurrent_requests_are_exact_and_every_handle_is_pulled(epd_stack, ref
     stats = wait_unpinned(epd_stack.server_of("encode")[1])
     assert stats["pinned_handles"] == 0 and stats["expired"] == 0, stats
     assert 0 < stats["bytes_in_use"] <= stats["pool_bytes"], stats
+
+
+def test_load_generator_and_report_run_end_to_end(epd_stack, tmp_path):
+    """A few seconds of `epd bench run` against the live stack, then `epd bench report` on it:
+    both models answered everything, the front's phase metrics were read, plots written."""
+    import asyncio
+
+    from orchestrator.bench import load, report
+
+    front = epd_stack.server_of("epd")[1]
+    plan = load.LoadPlan(
+        models=("epd", "aggregated"),
+        workloads=("mixed",),
+        concurrency=(2,),
+        requests=4,
+        max_tokens=4,
+        warmup=1,
+    )
+    runs = asyncio.run(
+        load.execute(front.grpc_url, plan, front_metrics=(front.host, front.metrics_port))
+    )
+    assert [(r.target, r.requests, r.errors) for r in runs] == [("epd", 4, 0), ("aggregated", 4, 0)]
+    assert set(runs[0].ttft_by_kind_s) == {"text", "multi"} and runs[0].ttft_s.count == 4
+    assert set(runs[0].phase_means_s) == set(load.PHASES) and not runs[1].phase_means_s
+    doc = report.render([load.report("test", runs)], tmp_path / "benchmarks.md", tmp_path / "img")
+    assert "text-only p90 TTFT under the mixed workload" in doc
+    assert (tmp_path / "img" / "ttft-cdf-mixed.png").stat().st_size > 0
+    assert (tmp_path / "img" / "ttft-phases.png").stat().st_size > 0

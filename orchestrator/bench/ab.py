@@ -1,0 +1,87 @@
+"""``epd bench ab``: one workload against several deployments in one invocation.
+
+The deployments run one after another on the same machine with the same requests:
+aggregated vs E+PD vs E/P/D, NIXL metadata-only vs inline embeddings, encoder cache on
+vs off. Optionally each server is pinned to its own CPUs (``taskset``), which on one CPU
+box stands in for giving every stage its own hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.bench.load import LoadPlan, execute
+from orchestrator.bench.schema import RunResult
+from orchestrator.config import ServerSpec, Topology, default_topology
+
+
+def _e_pd(model: Path) -> Topology:
+    """The encoder on its own server; prefill, decode and the front on another."""
+    base = default_topology(model)
+    servers = {
+        "encoder": base.servers["encoder"],
+        "pd": ServerSpec(
+            http_port=8000, grpc_port=8001, metrics_port=8002, stages=["prefill", "decode", "epd"]
+        ),
+    }
+    return base.model_copy(update={"servers": servers})
+
+
+def _with_transfer(**changes) -> Callable[[Path], Topology]:
+    def build(model: Path) -> Topology:
+        base = default_topology(model)
+        return base.model_copy(update={"transfer": base.transfer.model_copy(update=changes)})
+
+    return build
+
+
+VARIANTS: dict[str, tuple[Callable[[Path], Topology], tuple[str, ...]]] = {
+    "e-p-d/nixl": (default_topology, ("epd", "aggregated")),
+    "e-pd/nixl": (_e_pd, ("epd",)),
+    "e-p-d/inline": (_with_transfer(kind="inline"), ("epd",)),
+    "e-p-d/nixl/no-cache": (_with_transfer(cache=False), ("epd",)),
+}
+"""Deployment label -> (topology builder, models measured on it). ``aggregated`` runs on
+the first deployment's front (it is the same vLLM engine in any layout)."""
+
+
+def pin_cpus(topology: Topology, cpu_lists: list[str]) -> Topology:
+    """Give server i the CPU list ``cpu_lists[i % len]`` (e.g. ``["0", "1"]``)."""
+    servers = {
+        name: spec.model_copy(update={"cpus": cpu_lists[i % len(cpu_lists)]})
+        for i, (name, spec) in enumerate(topology.servers.items())
+    }
+    return topology.model_copy(update={"servers": servers})
+
+
+def run(
+    model: Path,
+    variants: list[str],
+    plan: LoadPlan,
+    timeout_s: float,
+    cpu_lists: list[str] | None = None,
+) -> list[RunResult]:
+    """Start each variant's deployment in turn, run ``plan`` against it, stop it."""
+    from orchestrator.bench.quick import embedded
+
+    results: list[RunResult] = []
+    for name in variants:
+        build, models = VARIANTS[name]
+        topology = build(model)
+        if cpu_lists:
+            topology = pin_cpus(topology, cpu_lists)
+        print(f"== {name}: starting {len(topology.servers)} servers", flush=True)
+        with embedded(topology, timeout_s) as running:
+            _, front = running.server_of("epd")
+            variant_plan = dataclasses.replace(plan, models=models)
+
+            def label(m: str, name: str = name) -> str:
+                return "aggregated" if m == "aggregated" else name
+
+            results += asyncio.run(
+                execute(front.grpc_url, variant_plan, label, (front.host, front.metrics_port))
+            )
+    return results

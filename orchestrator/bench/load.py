@@ -1,0 +1,395 @@
+"""``epd bench run``: a load generator for ``epd`` / ``aggregated`` over gRPC streaming.
+
+Workloads are lists of requests of labelled kinds (``text``, ``image``, ``multi``,
+``large``); a run sends one workload to one model either closed-loop (a fixed number of
+requests in flight) or open-loop (Poisson arrivals at a fixed rate, whatever the server
+does), records TTFT, the gaps between text responses (ITL) and end-to-end latency per
+request, and reduces them to a :class:`~orchestrator.bench.schema.RunResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from tritonclient.grpc.aio import InferenceServerClient
+
+from orchestrator.bench.schema import BenchReport, LatencyStats, RunResult
+from orchestrator.client import request_inputs
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
+PROMPTS = {
+    "text": "Tell me a story about a robot.",
+    "image": "Describe this image.",
+    "multi": "Compare these two pictures.",
+    "large": "What is in this photo?",
+}
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    kind: str
+    text: str
+    images: tuple[bytes, ...]
+
+
+@dataclass
+class Sample:
+    """What one streamed request did (times in seconds from its start)."""
+
+    kind: str
+    start: float
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    piece_times: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str | None = None
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def _large_photo(name: str, serial: int) -> bytes:
+    """A photo upscaled to 1536 px (a big upload; the encoder still resizes it down)."""
+    from PIL import Image
+
+    from orchestrator.bench.quick import photo_variant
+
+    image = Image.open(io.BytesIO(photo_variant(name, serial))).resize((1536, 1536))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _request(kind: str, serial: int, repeat_pool: int | None = None) -> LoadRequest:
+    from orchestrator.bench.quick import photo_variant
+
+    def photo(k: int) -> bytes:
+        key = serial + k if repeat_pool is None else (serial + k) % repeat_pool
+        return photo_variant(PHOTOS[key % len(PHOTOS)], key)
+
+    text = f"{PROMPTS[kind]} (request {serial})"
+    if kind == "text":
+        return LoadRequest(kind, text, ())
+    if kind == "multi":
+        return LoadRequest(kind, text, (photo(0), photo(1)))
+    if kind == "large":
+        return LoadRequest(kind, text, (_large_photo(PHOTOS[serial % len(PHOTOS)], serial),))
+    return LoadRequest(kind, text, (photo(0),))
+
+
+WORKLOADS: dict[str, Callable[[int, int], list[LoadRequest]]] = {
+    "image": lambda n, s: [_request("image", s + i) for i in range(n)],
+    "text": lambda n, s: [_request("text", s + i) for i in range(n)],
+    # Text-only requests interleaved with image-heavy ones: does text wait behind encoding?
+    "mixed": lambda n, s: [_request("text" if i % 2 else "multi", s + i) for i in range(n)],
+    "repeated": lambda n, s: [_request("image", s + i, repeat_pool=4) for i in range(n)],
+    "multi": lambda n, s: [_request("multi", s + i) for i in range(n)],
+    "large": lambda n, s: [_request("large", s + i) for i in range(n)],
+}
+"""Workload name -> (count, first serial) -> requests. Serials make content unique per run,
+except ``repeated``, which cycles through four photos."""
+
+
+# --- sending ----------------------------------------------------------------------------------
+
+
+async def stream_request(
+    client: InferenceServerClient,
+    model: str,
+    request: LoadRequest,
+    sampling: dict,
+    timeout_s: float,
+) -> Sample:
+    """One request on its own gRPC stream; any failure is recorded, never raised."""
+    inputs = request_inputs(request.text, list(request.images), sampling, stream=True)
+
+    async def one():
+        yield {"model_name": model, "inputs": inputs}
+
+    sample = Sample(request.kind, time.perf_counter())
+    pieces: list[str] = []
+    responses = client.stream_infer(one(), stream_timeout=timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for result, error in responses:
+                if error is not None:
+                    raise error
+                if piece := result.as_numpy("text_output").reshape(-1)[0].decode():
+                    sample.piece_times.append(time.perf_counter() - sample.start)
+                    pieces.append(piece)
+    except Exception as exc:  # one errored request, not a crashed benchmark
+        sample.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        responses.cancel()
+    sample.latency_s = time.perf_counter() - sample.start
+    sample.ttft_s = sample.piece_times[0] if sample.piece_times else None
+    sample.text = "".join(pieces)
+    return sample
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = sys.stderr.isatty()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = 30 * self.done // max(1, self.total)
+            bar = "#" * filled + "." * (30 - filled)
+            sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def closed_loop(
+    client,
+    model: str,
+    requests: Sequence[LoadRequest],
+    concurrency: int,
+    sampling: dict,
+    timeout_s: float,
+    progress: Progress | None = None,
+) -> tuple[list[Sample], float]:
+    """Keep ``concurrency`` requests in flight until all are sent; (samples, wall seconds)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(request: LoadRequest) -> Sample:
+        async with gate:
+            sample = await stream_request(client, model, request, sampling, timeout_s)
+        if progress:
+            progress.step()
+        return sample
+
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(gated(r) for r in requests))
+    return list(samples), time.perf_counter() - start
+
+
+async def open_loop(
+    client,
+    model: str,
+    requests: Sequence[LoadRequest],
+    rate: float,
+    sampling: dict,
+    timeout_s: float,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> tuple[list[Sample], float]:
+    """Send at Poisson arrival times of ``rate`` requests/s regardless of completions."""
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    tasks = []
+    at = 0.0
+    for request in requests:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        tasks.append(
+            asyncio.create_task(stream_request(client, model, request, sampling, timeout_s))
+        )
+        if progress:
+            tasks[-1].add_done_callback(lambda _: progress.step())
+        at += rng.expovariate(rate)
+    samples = await asyncio.gather(*tasks)
+    return list(samples), time.perf_counter() - start
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+
+def itl_gaps(samples: Sequence[Sample]) -> list[float]:
+    return [b - a for s in samples if not s.error for a, b in itertools.pairwise(s.piece_times)]
+
+
+PHASES = ("encode", "prefill", "first_token", "request")
+
+
+def phase_totals(metrics: tuple[str, int]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the front's ``epd_request_phase_seconds`` per phase, so far."""
+    from orchestrator.metrics import scrape
+
+    host, port = metrics
+    name = "epd_request_phase_seconds"
+    return {
+        phase: (
+            scrape(host, port, f"{name}_sum", phase=phase),
+            scrape(host, port, f"{name}_count", phase=phase),
+        )
+        for phase in PHASES
+    }
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean seconds per phase between two ``phase_totals`` snapshots."""
+    means = {}
+    for phase in PHASES:
+        count = after[phase][1] - before[phase][1]
+        if count > 0:
+            means[phase] = (after[phase][0] - before[phase][0]) / count
+    return means
+
+
+def reduce(
+    samples: Sequence[Sample],
+    wall_s: float,
+    *,
+    target: str,
+    workload: str,
+    load: str,
+    level: float,
+) -> RunResult:
+    """The run's statistics over successful requests; throughput over the wall time."""
+    ok = [s for s in samples if s.error is None]
+    kinds = sorted({s.kind for s in ok})
+    return RunResult(
+        tool="epd-bench",
+        target=target,
+        workload=workload,
+        load=load,
+        level=level,
+        requests=len(samples),
+        errors=len(samples) - len(ok),
+        duration_s=wall_s,
+        ttft_s=LatencyStats.of([s.ttft_s for s in ok if s.ttft_s is not None]),
+        itl_s=LatencyStats.of(itl_gaps(ok)),
+        latency_s=LatencyStats.of([s.latency_s for s in ok]),
+        requests_per_s=len(ok) / wall_s if wall_s > 0 else None,
+        tokens_per_s=sum(len(s.piece_times) for s in ok) / wall_s if wall_s > 0 else None,
+        ttft_by_kind_s={
+            kind: LatencyStats.of([s.ttft_s for s in ok if s.kind == kind and s.ttft_s is not None])
+            for kind in kinds
+        },
+        error_samples=sorted({s.error for s in samples if s.error})[:5],
+        ttft_samples_s=[s.ttft_s for s in ok if s.ttft_s is not None],
+        latency_samples_s=[s.latency_s for s in ok],
+    )
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``epd bench run`` sends."""
+
+    models: tuple[str, ...]
+    workloads: tuple[str, ...]
+    concurrency: tuple[int, ...] = ()
+    """Closed-loop levels (requests in flight)."""
+    rates: tuple[float, ...] = ()
+    """Open-loop levels (requests/s)."""
+    requests: int = 24
+    max_tokens: int = 16
+    timeout_s: float = 300.0
+    warmup: int = 2
+
+
+async def execute(
+    url: str,
+    plan: LoadPlan,
+    label: Callable[[str], str] = str,
+    front_metrics: tuple[str, int] | None = None,
+) -> list[RunResult]:
+    """Every workload x model x level of ``plan`` against the front at ``url``.
+
+    Models alternate within each load point so drift on a noisy box hits them alike.
+    ``label`` names the target in results (A/B runs prefix the deployment). With the
+    front's metrics address, ``epd`` runs also get their mean time per request phase.
+    """
+    sampling = {"max_tokens": plan.max_tokens, "temperature": 0}
+    results: list[RunResult] = []
+    serial = 0
+    async with InferenceServerClient(url) as client:
+        for model in plan.models:
+            for request in WORKLOADS["mixed"](plan.warmup, 10**6):
+                await stream_request(client, model, request, sampling, plan.timeout_s)
+        points = [("concurrency", float(c)) for c in plan.concurrency]
+        points += [("rate", r) for r in plan.rates]
+        for workload in plan.workloads:
+            for load, level in points:
+                requests = WORKLOADS[workload](plan.requests, serial)
+                serial += plan.requests
+                for model in plan.models:
+                    progress = Progress(len(requests), f"{workload} {model} {load}={level:g}")
+                    phases = front_metrics if model == "epd" else None
+                    before = phase_totals(phases) if phases else None
+                    if load == "concurrency":
+                        samples, wall = await closed_loop(
+                            client,
+                            model,
+                            requests,
+                            int(level),
+                            sampling,
+                            plan.timeout_s,
+                            progress,
+                        )
+                    else:
+                        samples, wall = await open_loop(
+                            client,
+                            model,
+                            requests,
+                            level,
+                            sampling,
+                            plan.timeout_s,
+                            progress=progress,
+                        )
+                    result = reduce(
+                        samples,
+                        wall,
+                        target=label(model),
+                        workload=workload,
+                        load=load,
+                        level=level,
+                    )
+                    if phases:
+                        await asyncio.sleep(1.1)  # the front publishes every 0.5 s
+                        result.phase_means_s = phase_means(before, phase_totals(phases))
+                    results.append(result)
+                    print(summary_line(result), flush=True)
+    return results
+
+
+def summary_line(r: RunResult) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    rps = "-" if r.requests_per_s is None else f"{r.requests_per_s:.2f}"
+    return (
+        f"{r.workload:<9} {r.target:<22} {r.load}={r.level:g}: TTFT p50/p90 "
+        f"{ms(r.ttft_s.p50)}/{ms(r.ttft_s.p90)} ms, latency p50 {ms(r.latency_s.p50)} ms, "
+        f"{rps} req/s, {r.errors} errors"
+    )
+
+
+def report(command: str, runs: list[RunResult], notes: Sequence[str] = ()) -> BenchReport:
+    from orchestrator.bench.quick import package_version
+
+    return BenchReport(
+        command=command,
+        timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
+        machine={
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg": os.getloadavg(),
+        },
+        versions={
+            "vllm": package_version("vllm"),
+            "tritonclient": package_version("tritonclient"),
+            "nixl": package_version("nixl"),
+        },
+        runs=runs,
+        notes=list(notes),
+    )
