@@ -220,8 +220,8 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
     from orchestrator.bench import ab
 
     signal.signal(signal.SIGTERM, _interrupt)
-    if unknown := set(args.variant) - set(ab.VARIANTS):
-        raise SystemExit(f"epd: unknown variant(s) {sorted(unknown)}; known: {sorted(ab.VARIANTS)}")
+    if unknown := set(args.variant) - set(ab.NAMES):
+        raise SystemExit(f"epd: unknown variant(s) {sorted(unknown)}; known: {list(ab.NAMES)}")
     plan = _load_plan(args, ())
     model = Path(args.model)
     if not (model / "config.json").exists():
@@ -403,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) in (cmd_bench_run, cmd_bench_ab):
         args.workload = args.workload or ["mixed"]
     if getattr(args, "func", None) is cmd_bench_ab:
-        from orchestrator.bench.ab import VARIANTS
+        from orchestrator.bench.ab import NAMES
 
-        args.variant = args.variant or list(VARIANTS)
+        args.variant = args.variant or list(NAMES)
     return args.func(args)
 
 

@@ -2,8 +2,8 @@
 
 The deployments run one after another on the same machine with the same requests:
 aggregated vs E+PD vs E/P/D, NIXL metadata-only vs inline embeddings, encoder cache on
-vs off. Optionally each server is pinned to its own CPUs (``taskset``), which on one CPU
-box stands in for giving every stage its own hardware.
+vs off, and vLLM offline on the same requests. Optionally each server is pinned to its own
+CPUs (``taskset``), which on one CPU box stands in for giving every stage its own hardware.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ VARIANTS: dict[str, tuple[Callable[[Path], Topology], tuple[str, ...]]] = {
 """Deployment label -> (topology builder, models measured on it). ``aggregated`` runs on
 the first deployment's front (it is the same vLLM engine in any layout)."""
 
+OFFLINE = "offline-vllm"
+"""Not a deployment: vLLM in-process on the same requests (``bench/offline.py``)."""
+NAMES = (*VARIANTS, OFFLINE)
+
 
 def pin_cpus(topology: Topology, cpu_lists: list[str]) -> Topology:
     """Give server i the CPU list ``cpu_lists[i % len]`` (e.g. ``["0", "1"]``)."""
@@ -69,6 +73,12 @@ def run(
 
     results: list[RunResult] = []
     for name in variants:
+        if name == OFFLINE:
+            from orchestrator.bench import offline
+
+            print(f"== {name}: vLLM in-process", flush=True)
+            results += offline.run(plan, model, timeout_s + 3600)
+            continue
         build, models = VARIANTS[name]
         topology = build(model)
         if cpu_lists:

@@ -17,7 +17,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -155,21 +155,25 @@ class Progress:
             sys.stderr.flush()
 
 
+Send = Callable[[LoadRequest], Awaitable[Sample]]
+"""Sends one request and records it: over gRPC to Triton, or straight into a vLLM engine."""
+
+
+def grpc_sender(
+    client: InferenceServerClient, model: str, sampling: dict, timeout_s: float
+) -> Send:
+    return lambda request: stream_request(client, model, request, sampling, timeout_s)
+
+
 async def closed_loop(
-    client,
-    model: str,
-    requests: Sequence[LoadRequest],
-    concurrency: int,
-    sampling: dict,
-    timeout_s: float,
-    progress: Progress | None = None,
+    send: Send, requests: Sequence[LoadRequest], concurrency: int, progress: Progress | None = None
 ) -> tuple[list[Sample], float]:
     """Keep ``concurrency`` requests in flight until all are sent; (samples, wall seconds)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(request: LoadRequest) -> Sample:
         async with gate:
-            sample = await stream_request(client, model, request, sampling, timeout_s)
+            sample = await send(request)
         if progress:
             progress.step()
         return sample
@@ -180,12 +184,9 @@ async def closed_loop(
 
 
 async def open_loop(
-    client,
-    model: str,
+    send: Send,
     requests: Sequence[LoadRequest],
     rate: float,
-    sampling: dict,
-    timeout_s: float,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> tuple[list[Sample], float]:
@@ -196,14 +197,36 @@ async def open_loop(
     at = 0.0
     for request in requests:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        tasks.append(
-            asyncio.create_task(stream_request(client, model, request, sampling, timeout_s))
-        )
+        tasks.append(asyncio.create_task(send(request)))
         if progress:
             tasks[-1].add_done_callback(lambda _: progress.step())
         at += rng.expovariate(rate)
     samples = await asyncio.gather(*tasks)
     return list(samples), time.perf_counter() - start
+
+
+def load_points(plan: LoadPlan) -> list[tuple[str, float]]:
+    return [("concurrency", float(c)) for c in plan.concurrency] + [("rate", r) for r in plan.rates]
+
+
+def plan_requests(plan: LoadPlan) -> list[tuple[str, str, float, list[LoadRequest]]]:
+    """(workload, load, level, requests) in run order; each point gets fresh content, so
+    any two runners of the same plan (Triton, offline vLLM) send the same requests."""
+    points, serial = [], 0
+    for workload in plan.workloads:
+        for load, level in load_points(plan):
+            points.append((workload, load, level, WORKLOADS[workload](plan.requests, serial)))
+            serial += plan.requests
+    return points
+
+
+async def measure(
+    send: Send, requests: Sequence[LoadRequest], load: str, level: float, label: str
+) -> tuple[list[Sample], float]:
+    progress = Progress(len(requests), label)
+    if load == "concurrency":
+        return await closed_loop(send, requests, int(level), progress)
+    return await open_loop(send, requests, level, progress=progress)
 
 
 # --- statistics -------------------------------------------------------------------------------
@@ -310,54 +333,26 @@ async def execute(
     """
     sampling = {"max_tokens": plan.max_tokens, "temperature": 0}
     results: list[RunResult] = []
-    serial = 0
     async with InferenceServerClient(url) as client:
         for model in plan.models:
             for request in WORKLOADS["mixed"](plan.warmup, 10**6):
                 await stream_request(client, model, request, sampling, plan.timeout_s)
-        points = [("concurrency", float(c)) for c in plan.concurrency]
-        points += [("rate", r) for r in plan.rates]
-        for workload in plan.workloads:
-            for load, level in points:
-                requests = WORKLOADS[workload](plan.requests, serial)
-                serial += plan.requests
-                for model in plan.models:
-                    progress = Progress(len(requests), f"{workload} {model} {load}={level:g}")
-                    phases = front_metrics if model == "epd" else None
-                    before = phase_totals(phases) if phases else None
-                    if load == "concurrency":
-                        samples, wall = await closed_loop(
-                            client,
-                            model,
-                            requests,
-                            int(level),
-                            sampling,
-                            plan.timeout_s,
-                            progress,
-                        )
-                    else:
-                        samples, wall = await open_loop(
-                            client,
-                            model,
-                            requests,
-                            level,
-                            sampling,
-                            plan.timeout_s,
-                            progress=progress,
-                        )
-                    result = reduce(
-                        samples,
-                        wall,
-                        target=label(model),
-                        workload=workload,
-                        load=load,
-                        level=level,
-                    )
-                    if phases:
-                        await asyncio.sleep(1.1)  # the front publishes every 0.5 s
-                        result.phase_means_s = phase_means(before, phase_totals(phases))
-                    results.append(result)
-                    print(summary_line(result), flush=True)
+        for workload, load, level, requests in plan_requests(plan):
+            for model in plan.models:
+                send = grpc_sender(client, model, sampling, plan.timeout_s)
+                phases = front_metrics if model == "epd" else None
+                before = phase_totals(phases) if phases else None
+                samples, wall = await measure(
+                    send, requests, load, level, f"{workload} {model} {load}={level:g}"
+                )
+                result = reduce(
+                    samples, wall, target=label(model), workload=workload, load=load, level=level
+                )
+                if phases:
+                    await asyncio.sleep(1.1)  # the front publishes every 0.5 s
+                    result.phase_means_s = phase_means(before, phase_totals(phases))
+                results.append(result)
+                print(summary_line(result), flush=True)
     return results
 
 

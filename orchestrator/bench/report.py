@@ -112,6 +112,37 @@ def targets(
             )
             break
 
+    for workload in ("image", "mixed", "text", "multi"):
+        pairs = _pairs(runs, EPD_TARGETS, ("offline-vllm",), workload)
+        if not pairs:
+            continue
+        worst, run = min(
+            ((_ratio(a.requests_per_s, b.requests_per_s), a) for a, b in pairs),
+            key=lambda x: x[0] or 0,
+        )
+        if worst is not None:
+            found.append(
+                Target(
+                    f"throughput, epd / offline vLLM ({workload} workload)",
+                    worst,
+                    "≥ 0.8",
+                    worst >= 0.8,
+                    f"worst over load points ({run.load}={run.level:g})",
+                )
+            )
+        single = [(a, b) for a, b in pairs if a.load == "concurrency" and a.level == 1]
+        if single and (value := _ratio(single[0][0].ttft_s.p50, single[0][1].ttft_s.p50)):
+            found.append(
+                Target(
+                    f"TTFT p50 at concurrency 1, epd / offline vLLM ({workload} workload)",
+                    value,
+                    "≤ 1.15",
+                    value <= 1.15,
+                    "",
+                )
+            )
+        break
+
     if transfer:
         row = next(
             (
