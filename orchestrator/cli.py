@@ -247,6 +247,13 @@ def _add_load_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--out", default=out, help="JSON report path")
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from orchestrator.bench import transfer
+
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind through the peers' finally
+    return transfer.run_cli(args)
+
+
 def cmd_bench_report(args: argparse.Namespace) -> int:
     import json
 
@@ -367,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--pin-cpus", help="CPU lists per server, round-robin, e.g. 0:1")
     _add_load_arguments(ab, ".cache/bench/ab.json")
     ab.set_defaults(func=cmd_bench_ab)
+    from orchestrator.bench import transfer as transfer_bench
+
+    xfer = bench.add_parser("transfer", help="embedding fetch per transport vs same-host memcpy")
+    transfer_bench.add_arguments(xfer)
+    xfer.set_defaults(func=cmd_bench_transfer)
     rep = bench.add_parser("report", help="Markdown + plots from benchmark JSON files")
     rep.add_argument("runs", nargs="+", help="JSON from `bench run` / `ab` / `perf-analyzer`")
     rep.add_argument("--cache", help="JSON from `epd bench cache`")

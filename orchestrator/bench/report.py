@@ -306,7 +306,14 @@ def render(
             "",
         ]
     if transfer:
-        parts += ["## Embedding transfer", "", transfer.get("table", ""), ""]
+        parts += [
+            "## Embedding transfer (`epd bench transfer`)",
+            "",
+            "```",
+            transfer.get("table", ""),
+            "```",
+            "",
+        ]
     if images:
         parts += ["## Plots", ""]
         parts += [f"![{p.stem}]({p.relative_to(out.parent).as_posix()})" for p in images]

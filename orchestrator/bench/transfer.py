@@ -66,14 +66,15 @@ class Timings:
 class Row:
     """One transport at one size, summarised."""
 
-    transport: str
-    nbytes: int
+    kind: str
+    """A transport, or ``memcpy``."""
+    bytes: int
     count: int
     median_s: float
     p90_s: float
     bandwidth: float
     """Bytes per second at the median fetch time."""
-    vs_memcpy: float | None
+    ratio_to_memcpy: float | None
     """``bandwidth`` over memcpy's at the same size; None when memcpy was not measured."""
     put_median_s: float | None
 
@@ -93,17 +94,17 @@ def summarize(timings: Mapping[str, Mapping[int, Timings]]) -> list[Row]:
             bandwidth = nbytes / p50
             rows.append(
                 Row(
-                    transport=transport,
-                    nbytes=nbytes,
+                    kind=transport,
+                    bytes=nbytes,
                     count=len(t.fetch_s),
                     median_s=p50,
                     p90_s=p90,
                     bandwidth=bandwidth,
-                    vs_memcpy=bandwidth / memcpy_bw[nbytes] if nbytes in memcpy_bw else None,
+                    ratio_to_memcpy=bandwidth / memcpy_bw[nbytes] if nbytes in memcpy_bw else None,
                     put_median_s=float(np.median(t.put_s)) if t.put_s else None,
                 )
             )
-    return sorted(rows, key=lambda r: (r.nbytes, r.transport != MEMCPY))
+    return sorted(rows, key=lambda r: (r.bytes, r.kind != MEMCPY))
 
 
 def size_label(nbytes: int) -> str:
@@ -125,9 +126,9 @@ def format_table(rows: Sequence[Row]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"{size_label(r.nbytes):>8}  {r.transport:<10}{r.count:>4}"
+            f"{size_label(r.bytes):>8}  {r.kind:<10}{r.count:>4}"
             f"{_fmt(r.median_s, '.3f', 1e3):>14}{_fmt(r.p90_s, '.3f', 1e3):>10}"
-            f"{_fmt(r.bandwidth, '.2f', 1e-9):>9}{_fmt(r.vs_memcpy, '.2f'):>10}"
+            f"{_fmt(r.bandwidth, '.2f', 1e-9):>9}{_fmt(r.ratio_to_memcpy, '.2f'):>10}"
             f"{_fmt(r.put_median_s, '.3f', 1e3):>12}"
         )
     return "\n".join(lines)
@@ -138,21 +139,21 @@ def ratio_line(rows: Sequence[Row], nbytes: int | None = None) -> str:
     ``nbytes`` (default: 16 MiB if measured, else the largest size measured)."""
     if not rows:
         return "transfer: nothing measured"
-    sizes = {r.nbytes for r in rows}
+    sizes = {r.bytes for r in rows}
     if nbytes is None:
         nbytes = HEADLINE_SIZE if HEADLINE_SIZE in sizes else max(sizes)
-    at_size = [r for r in rows if r.nbytes == nbytes]
-    memcpy = next((r for r in at_size if r.transport == MEMCPY), None)
+    at_size = [r for r in rows if r.bytes == nbytes]
+    memcpy = next((r for r in at_size if r.kind == MEMCPY), None)
     parts = []
     for r in at_size:
-        if r.transport == MEMCPY:
+        if r.kind == MEMCPY:
             continue
-        ratio, gbps = _fmt(r.vs_memcpy, ".2f"), _fmt(r.bandwidth, ".2f", 1e-9)
+        ratio, gbps = _fmt(r.ratio_to_memcpy, ".2f"), _fmt(r.bandwidth, ".2f", 1e-9)
         if parts or memcpy is None:
-            parts.append(f"{r.transport} {ratio}x ({gbps} GB/s)")
+            parts.append(f"{r.kind} {ratio}x ({gbps} GB/s)")
         else:  # the first one names the baseline
             base = _fmt(memcpy.bandwidth, ".2f", 1e-9)
-            parts.append(f"{r.transport} {ratio}x memcpy ({gbps} vs {base} GB/s)")
+            parts.append(f"{r.kind} {ratio}x memcpy ({gbps} vs {base} GB/s)")
     return f"transfer {size_label(nbytes)}: " + (", ".join(parts) or "no transport measured")
 
 
@@ -308,7 +309,8 @@ def run(
     byte_budget: int = 512 * MIB,
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    """Measure each transport in turn; the report (``rows`` summarised, ``timings`` raw).
+    """Measure each transport in turn; the report: ``rows`` summarised (what
+    ``epd bench report`` reads, with ``table``), ``timings`` raw.
 
     ``env`` is added to the peers' environment (``UCX_TLS=tcp`` makes NIXL use TCP as it
     would across hosts without RDMA). ``UCX_MODULES`` defaults to ``^ib`` for hosts with
@@ -342,6 +344,7 @@ def run(
             timings.pop(kind, None)
             notes.append(f"{kind} failed: {exc}")
             print(notes[-1], file=sys.stderr, flush=True)
+    rows = summarize(timings)
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
@@ -361,7 +364,8 @@ def run(
             "peer_env": {k: v for k, v in peer_env.items() if k.startswith(("UCX_", "MC_"))},
         },
         "notes": notes,
-        "rows": summarize(timings),
+        "rows": rows,
+        "table": format_table(rows),
         "timings": timings,
     }
 
@@ -426,8 +430,8 @@ def run_cli(args: argparse.Namespace) -> int:
         byte_budget=args.budget_mib * MIB,
         timeout_s=args.timeout,
     )
-    print(format_table(report["rows"]))
+    print(report["table"])
     print(ratio_line(report["rows"]))
     write_report(report, Path(args.out))
     print(f"wrote {args.out}")
-    return 0 if any(r.transport != MEMCPY for r in report["rows"]) else 1
+    return 0 if any(r.kind != MEMCPY for r in report["rows"]) else 1
