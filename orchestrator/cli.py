@@ -374,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--pin-cpus", help="CPU lists per server, round-robin, e.g. 0:1")
     _add_load_arguments(ab, ".cache/bench/ab.json")
     ab.set_defaults(func=cmd_bench_ab)
+    from orchestrator.bench import perf_analyzer as pa_bench
     from orchestrator.bench import transfer as transfer_bench
+
+    pa_bench.add_arguments(
+        bench.add_parser("perf-analyzer", help="Triton's perf_analyzer against epd or aggregated")
+    )
 
     xfer = bench.add_parser("transfer", help="embedding fetch per transport vs same-host memcpy")
     transfer_bench.add_arguments(xfer)

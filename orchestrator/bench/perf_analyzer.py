@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -52,8 +53,8 @@ class PerfAnalyzerError(Exception):
 
 def ensure_perf_analyzer(venv_dir: Path = DEFAULT_VENV) -> Path:
     """The perf_analyzer binary, installing ``tritonclient==2.51.0`` into ``venv_dir`` first
-    if needed. ``--no-deps``: the binary uses none of the Python client's dependencies, and
-    its numpy<2 pin must not meet the project venv."""
+    if needed. ``--no-deps``: the binary needs none of the Python client's dependencies, so
+    only that one wheel has to be reachable."""
     binary = venv_dir / "bin" / "perf_analyzer"
     if binary.exists():
         return binary
@@ -128,8 +129,9 @@ def _bytes_tensor(items: Sequence[bytes]) -> dict:
 def input_data(requests: Sequence[LoadRequest], max_tokens: int, stream: bool) -> dict:
     """The ``--input-data`` JSON: one entry per request with the models' public inputs.
 
-    perf_analyzer replays the entries round-robin, so more requests than entries repeat
-    content (and may hit caches). Images go as raw photo bytes, never re-encoded.
+    perf_analyzer replays the entries in turn (each concurrent context its own share, so the
+    mix it sends can drift from the list's), and more requests than entries repeat content,
+    which may hit caches. Images go as the photos' own bytes, never re-encoded.
     """
     sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0})
     data = []
@@ -207,11 +209,11 @@ def parse_csv(
 ) -> list[RunResult]:
     """perf_analyzer's ``-f`` CSV (one row per concurrency level) as results.
 
-    From the CSV: requests/s, end-to-end latency percentiles and mean (µs; for decoupled
-    models perf_analyzer times a request to its last response, despite its banner "using the
-    first response"), and text responses/s. The CSV has no counts and no first-response
-    times: those come from ``profiles`` (``parse_profile_export``). TTFT, ITL and tokens/s
-    only mean something when the model streams tokens (``streaming``).
+    From the CSV: requests/s, end-to-end latency percentiles (µs; for decoupled models
+    perf_analyzer times a request to its last response, despite its banner "using the first
+    response") and text responses/s. The CSV has no counts, mean or first-response times:
+    those come from ``profiles`` (``parse_profile_export``), over the same requests. TTFT,
+    ITL and tokens/s only mean something when the model streams tokens (``streaming``).
     """
     from orchestrator.bench.schema import LatencyStats, RunResult
 
@@ -221,8 +223,8 @@ def parse_csv(
     if missing := [c for c in CSV_REQUIRED if c not in rows[0]]:
         raise PerfAnalyzerError(f"perf_analyzer CSV lacks columns {missing}: {list(rows[0])}")
 
-    def seconds(row: dict, column: str) -> float | None:
-        return float(row[column]) / 1e6 if row.get(column) else None
+    def seconds(row: dict, column: str) -> float:
+        return float(row[column]) / 1e6
 
     results = []
     for row in rows:
@@ -250,7 +252,7 @@ def parse_csv(
                     p50=seconds(row, "p50 latency"),
                     p90=seconds(row, "p90 latency"),
                     p99=seconds(row, "p99 latency"),
-                    mean=seconds(row, "Avg latency"),
+                    mean=statistics.fmean(profile.latency_s) if profile.latency_s else None,
                     count=profile.requests,
                 ),
                 requests_per_s=float(row["Inferences/Second"]),
@@ -339,8 +341,9 @@ def run(
     data = workdir / f"{workload}-input.json"
     data.write_text(json.dumps(input_data(requests, max_tokens, streaming)))
     kinds = {r.text: r.kind for r in requests}
-    # Each window lasts 1.2 intervals; then in-flight requests drain.
-    deadline_s = settings.max_trials * settings.measurement_interval_ms * 1.2 / 1000 + 300
+    # Each window lasts 1.2 intervals, then in-flight requests drain. perf_analyzer has no
+    # request timeout: a request the server never finishes would hang it forever.
+    deadline_s = settings.max_trials * settings.measurement_interval_ms * 1.2 / 1000 + 120
     results = []
     for level in concurrency_levels:
         out = workdir / f"{model}-{workload}-c{level}"
@@ -452,7 +455,7 @@ def run_cli(
     example = command(binary, url, model, Path("INPUT.json"), levels[0], settings, Path("OUT"))
     notes = [
         f"perf_analyzer from {TRITONCLIENT}: {' '.join(example[1:])}",
-        f"{len(batch)} distinct requests, replayed round-robin by perf_analyzer",
+        f"{len(batch)} distinct requests, replayed in turn by perf_analyzer",
         f"{'streaming' if streaming else 'non-streaming'} responses, max_tokens={max_tokens}",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)

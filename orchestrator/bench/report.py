@@ -53,7 +53,10 @@ def runs_table(runs: Sequence[RunResult]) -> str:
 
 
 def _find(runs: Sequence[RunResult], targets: Sequence[str], workload: str) -> list[RunResult]:
-    return [r for r in runs if r.target in targets and r.workload == workload]
+    """Our own load generator's runs only: perf_analyzer's are tabled, not compared."""
+    return [
+        r for r in runs if r.target in targets and r.workload == workload and r.tool == "epd-bench"
+    ]
 
 
 def _pairs(runs, a_targets, b_targets, workload):
