@@ -230,8 +230,10 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
         print(f"building the {args.profile} model into {model} ...", flush=True)
         build_model(model, profile=args.profile)
     cpus = args.pin_cpus.split(":") if args.pin_cpus else None
-    results = ab.run(model.resolve(), args.variant, plan, args.timeout, cpus)
+    threads = args.encoder_threads
+    results = ab.run(model.resolve(), args.variant, plan, args.timeout, cpus, threads)
     notes = [f"cpu pinning per server (round-robin): {cpus}"] if cpus else []
+    notes += [f"encoder ONNX Runtime threads: {threads}"] if threads else []
     _write_bench(results, args, notes)
     return 0
 
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
     ab.add_argument("--profile", choices=["tiny", "bench"], default="tiny", help="if built")
     ab.add_argument("--pin-cpus", help="CPU lists per server, round-robin, e.g. 0:1")
+    ab.add_argument("--encoder-threads", type=int, help="ONNX Runtime threads of the encoder")
     _add_load_arguments(ab, ".cache/bench/ab.json")
     ab.set_defaults(func=cmd_bench_ab)
     from orchestrator.bench import perf_analyzer as pa_bench

@@ -67,8 +67,13 @@ def run(
     plan: LoadPlan,
     timeout_s: float,
     cpu_lists: list[str] | None = None,
+    encoder_threads: int | None = None,
 ) -> list[RunResult]:
-    """Start each variant's deployment in turn, run ``plan`` against it, stop it."""
+    """Start each variant's deployment in turn, run ``plan`` against it, stop it.
+
+    ``encoder_threads`` sets ONNX Runtime's threads in the encoder: vLLM's own (aggregated)
+    vision tower uses every core through torch, so a fair A/B gives the encoder as many.
+    """
     from orchestrator.bench.quick import embedded
 
     results: list[RunResult] = []
@@ -81,6 +86,9 @@ def run(
             continue
         build, models = VARIANTS[name]
         topology = build(model)
+        if encoder_threads:
+            encoder = topology.encoder.model_copy(update={"threads": encoder_threads})
+            topology = topology.model_copy(update={"encoder": encoder})
         if cpu_lists:
             topology = pin_cpus(topology, cpu_lists)
         print(f"== {name}: starting {len(topology.servers)} servers", flush=True)
