@@ -264,7 +264,8 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
     reports = report.load_reports([Path(p) for p in args.runs])
     cache = json.loads(Path(args.cache).read_text()) if args.cache else None
     transfer = json.loads(Path(args.transfer).read_text()) if args.transfer else None
-    text = report.render(reports, Path(args.out), Path(args.img), cache, transfer)
+    analysis = Path(args.analysis).read_text() if args.analysis else ""
+    text = report.render(reports, Path(args.out), Path(args.img), cache, transfer, analysis)
     print(text.split("## Runs")[0].rstrip())
     print(f"wrote {args.out} and plots under {args.img}")
     return 0
@@ -391,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("runs", nargs="+", help="JSON from `bench run` / `ab` / `perf-analyzer`")
     rep.add_argument("--cache", help="JSON from `epd bench cache`")
     rep.add_argument("--transfer", help="JSON from `epd bench transfer`")
+    rep.add_argument("--analysis", help="Markdown with a person's reading of the numbers")
     rep.add_argument("--out", default="docs/benchmarks.md")
     rep.add_argument("--img", default="docs/img")
     rep.set_defaults(func=cmd_bench_report)

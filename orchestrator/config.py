@@ -86,6 +86,12 @@ class ServerSpec(_Spec):
         return f"{self.host}:{self.grpc_port}"
 
     @property
+    def local_grpc_url(self) -> str:
+        """This server's gRPC endpoint as seen from the server itself."""
+        bind = self.bind_address
+        return f"{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{self.grpc_port}"
+
+    @property
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"
 

@@ -30,7 +30,7 @@ from orchestrator.protocol import (
     from_tensor,
     to_tensor,
 )
-from orchestrator.stage_client import BlsStageClient
+from orchestrator.stage_client import BlsInfer
 from orchestrator.transfer.base import PoolFullError
 from orchestrator.triton.runner import ModelContext
 
@@ -57,7 +57,7 @@ class EncodeHandler:
         self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
         self.encoder_id = ctx.params["encoder_id"]
         self.full_wait_s = spec.full_wait_s
-        self.bls = BlsStageClient(ctx.pb_utils, topo.limits.stage_timeout_s)
+        self.bls = BlsInfer(ctx.pb_utils, topo.limits.stage_timeout_s)
         self.producer = make_producer(
             spec.kind,
             pool_bytes=spec.pool_bytes,

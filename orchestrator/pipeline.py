@@ -1,8 +1,9 @@
 """The E -> P -> D request flow behind the public ``epd`` model.
 
-Each stage is reached through a ``StageClient``: BLS when the stage is hosted by this
-server, gRPC when the topology puts it elsewhere. Only metadata crosses these calls: the
-encoder answers handles, prefill pulls the embeddings itself, decode pulls the KV itself.
+Each stage is reached through a gRPC ``StageClient``, over loopback when the stage is
+hosted by this server (decoupled BLS is unsafe in Triton 2.51: ``stage_client.BlsInfer``).
+Only metadata crosses these calls: the encoder answers handles, prefill pulls the
+embeddings itself, decode pulls the KV itself.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from orchestrator.protocol import (
     to_tensor,
 )
 from orchestrator.router import HealthMonitor, ReuseIndex, StageRoute
-from orchestrator.stage_client import BlsStageClient, GrpcStageClient, StageClient
+from orchestrator.stage_client import GrpcStageClient, StageClient
 from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
@@ -65,11 +66,8 @@ class EPDPipeline:
             targets = {}
             for name, server in topo.servers_of(stage).items():
                 if name not in self._clients:
-                    self._clients[name] = (
-                        BlsStageClient(ctx.pb_utils, timeout)
-                        if name == ctx.server
-                        else GrpcStageClient(server.grpc_url, timeout)
-                    )
+                    url = server.local_grpc_url if name == ctx.server else server.grpc_url
+                    self._clients[name] = GrpcStageClient(url, timeout)
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
@@ -213,10 +211,12 @@ class EPDPipeline:
         return from_tensor(out, "result", PrefillResult)
 
     async def close(self) -> None:
-        await self.health.stop()
-        await self.metrics.stop()
-        for client in self._clients.values():
-            await client.close()
+        try:  # metric families must go while the stub is alive, whatever else fails
+            await self.metrics.stop()
+        finally:
+            await self.health.stop()
+            for client in self._clients.values():
+                await client.close()
 
 
 async def _texts(responses: AsyncIterator[Tensors]) -> AsyncIterator[str]:

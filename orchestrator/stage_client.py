@@ -1,14 +1,12 @@
-"""Calling another stage: BLS when it lives in this Triton server, gRPC when it does not.
+"""Calling another stage: a dict of numpy tensors in, an async stream of dicts out.
 
-Both speak the same language -- a dict of numpy tensors in, an async stream of dicts out --
-so the pipeline never knows where a stage runs. Every stage model is decoupled, so a
-remote call is one request on a gRPC bidirectional stream.
+Every stage model is decoupled, so a call is one request on a gRPC bidirectional stream --
+also when the stage is hosted by this same server (see ``BlsInfer`` for why not BLS).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -62,61 +60,28 @@ class StageClient(ABC):
         return None
 
 
-_DONE = object()
+class BlsInfer:
+    """Unary in-process call of a non-decoupled model through Triton's BLS API (the encoder's
+    ``vision_encoder``).
 
-
-class BlsStageClient(StageClient):
-    """In-process call through Triton's BLS API.
-
-    The BLS response iterator blocks, so it is drained on a worker thread and handed to the
-    caller's loop through a queue (iterating it on an event loop would stall every stream).
+    Deliberately not a ``StageClient``: decoupled BLS is unsafe in Triton 2.51's python
+    backend. Its stub frees the tensors of a finished decoupled-BLS response iterator on a
+    C++ thread without the GIL (fixed upstream in python_backend r24.12, PR #390), which
+    corrupted pymalloc in our ``epd`` stub under load. Stage calls therefore always go over
+    gRPC, also to this same server.
     """
 
     def __init__(self, pb_utils: Any, timeout_s: float) -> None:
         self._pb = pb_utils
-        self._timeout_ms = int(timeout_s * 1000)
-
-    async def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]:
-        pb = self._pb
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        request = pb.InferenceRequest(
-            model_name=model,
-            inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
-            requested_output_names=outputs,
-            timeout=self._timeout_ms * 1000,  # microseconds
-        )
-
-        def drain() -> None:
-            try:
-                for response in request.exec(decoupled=True):
-                    if response.has_error():
-                        item: Any = error_from_message(response.error().message())
-                    else:
-                        tensors = response.output_tensors()
-                        if not tensors:  # the empty final response
-                            continue
-                        item = {t.name(): t.as_numpy() for t in tensors}
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(queue.put_nowait, StageError(f"{model}: {exc}"))
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
-        threading.Thread(target=drain, name=f"bls-{model}", daemon=True).start()
-        while (item := await queue.get()) is not _DONE:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        self._timeout_us = int(timeout_s * 1_000_000)
 
     async def infer(self, model: str, inputs: Tensors, outputs: list[str]) -> Tensors:
-        """Unary BLS call of a non-decoupled model (e.g. a TensorRT ``vision_encoder``)."""
         pb = self._pb
         request = pb.InferenceRequest(
             model_name=model,
             inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
             requested_output_names=outputs,
-            timeout=self._timeout_ms * 1000,
+            timeout=self._timeout_us,
         )
         response = await asyncio.get_running_loop().run_in_executor(None, request.exec)
         if response.has_error():

@@ -277,8 +277,10 @@ def render(
     img_dir: Path,
     cache: dict | None = None,
     transfer: dict | None = None,
+    analysis: str = "",
 ) -> str:
-    """Write ``out`` (Markdown) and the plots; returns the Markdown."""
+    """Write ``out`` (Markdown) and the plots; returns the Markdown. ``analysis`` is a
+    person's reading of the numbers (why a target is missed), placed under the targets."""
     runs = [r for report in reports for r in report.runs]
     found = targets(runs, cache, transfer)
     images = plot_all(runs, img_dir)
@@ -297,6 +299,8 @@ def render(
         targets_table(found) if found else "No target could be computed from these runs.",
         "",
     ]
+    if analysis:
+        parts += [analysis.strip(), ""]
     parts += ["## Runs", "", runs_table(runs), ""]
     if cache:
         t = cache["ttft_s"]
