@@ -85,18 +85,17 @@ def targets(
         for a, b in pairs
         if "text" in a.ttft_by_kind_s and "text" in b.ttft_by_kind_s
     ]
-    ratios = [(v, a) for v, a in ratios if v is not None]
-    if ratios:
-        worst, run = max(ratios, key=lambda x: x[0])
-        found.append(
-            Target(
-                "text-only p90 TTFT under the mixed workload, EPD / aggregated",
-                worst,
-                "≤ 0.5",
-                worst <= 0.5,
-                f"worst over load points ({run.load}={run.level:g})",
+    for value, run in ratios:  # one row per load point: interference grows with load
+        if value is not None:
+            found.append(
+                Target(
+                    "text-only p90 TTFT under the mixed workload, EPD / aggregated",
+                    value,
+                    "≤ 0.5",
+                    value <= 0.5,
+                    f"{run.load}={run.level:g}",
+                )
             )
-        )
 
     for workload in ("large", "multi", "image"):
         pairs = _pairs(runs, ("e-p-d/nixl",), ("e-p-d/inline",), workload)
