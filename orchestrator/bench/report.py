@@ -206,6 +206,7 @@ def plot_all(runs: Sequence[RunResult], img_dir: Path) -> list[Path]:
         if not group:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # one colour per target x level
         for r in group:
             xs = sorted(r.ttft_samples_s)
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
@@ -220,6 +221,7 @@ def plot_all(runs: Sequence[RunResult], img_dir: Path) -> list[Path]:
         closed = [r for r in runs if r.workload == workload and r.load == "concurrency"]
         if len({r.level for r in closed}) > 1:
             fig, ax = plt.subplots(figsize=(6, 4))
+            ax.set_prop_cycle(color=plt.cm.tab20.colors)
             for target in sorted({r.target for r in closed}):
                 points = sorted(
                     (r.level, r.requests_per_s or 0) for r in closed if r.target == target
