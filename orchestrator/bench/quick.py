@@ -29,7 +29,7 @@ import numpy as np
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
-from orchestrator.client import request_inputs, sample_photo
+from orchestrator.client import sample_photo
 from orchestrator.config import Topology
 from orchestrator.triton.deployment import on_free_ports
 
@@ -281,33 +281,15 @@ async def _send(
     sampling: dict,
     timeout_s: float,
 ) -> RequestResult:
-    """One request on its own gRPC stream; Triton ends the stream after the final response."""
-    inputs = request_inputs(request.text, request.images, sampling, stream=True)
+    """One request on its own gRPC stream (``load.stream_request``), as this report counts it."""
+    from orchestrator.bench.load import LoadRequest, stream_request
 
-    async def one_request():
-        yield {"model_name": model, "inputs": inputs}
-
-    ttft_s: float | None = None
-    pieces: list[str] = []
-    start = time.perf_counter()
-    responses = client.stream_infer(one_request(), stream_timeout=timeout_s)
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for result, error in responses:
-                if error is not None:
-                    raise error
-                if piece := result.as_numpy("text_output").reshape(-1)[0].decode():
-                    if ttft_s is None:
-                        ttft_s = time.perf_counter() - start
-                    pieces.append(piece)
-    except Exception as exc:  # any failure is one errored request, not a crashed benchmark
-        latency_s = time.perf_counter() - start
-        error = f"{type(exc).__name__}: {exc}"
-        return RequestResult(request.kind, None, latency_s, 0, error=error)
-    finally:
-        responses.cancel()
-    latency_s = time.perf_counter() - start
-    return RequestResult(request.kind, ttft_s, latency_s, len(pieces), "".join(pieces))
+    load_request = LoadRequest(request.kind, request.text, request.images)
+    sample = await stream_request(client, model, load_request, sampling, timeout_s)
+    if sample.error is not None:
+        return RequestResult(request.kind, None, sample.latency_s, 0, error=sample.error)
+    pieces = len(sample.piece_times)
+    return RequestResult(request.kind, sample.ttft_s, sample.latency_s, pieces, sample.text)
 
 
 async def run_round(
