@@ -178,8 +178,9 @@ class RoutingSpec(_Spec):
     health_interval_s: float = Field(default=1.0, gt=0)
     """Period of the readiness probe of every remote stage server (dead ones are taken out
     of rotation, recovered ones re-admitted)."""
-    probe_timeout_s: float = Field(default=1.0, gt=0)
-    """A server that does not answer its probe within this is treated as down."""
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+    """A server that does not answer its probe within this is treated as down (above the
+    1 s cap on gRPC's reconnect backoff, so a server that just came up gets one try)."""
     reuse_index_entries: int = Field(default=65536, ge=0)
     """Images remembered per front for cache-aware routing to the encoder holding them
     (0 turns cache-aware routing off)."""

@@ -149,7 +149,16 @@ class GrpcStageClient(StageClient):
             raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
 
     async def ready(self) -> bool:
-        return bool(await self._client.is_server_ready())
+        """Retries until answered: while the channel waits out its reconnect backoff, calls
+        fail at once with the last error (e.g. "connection refused" from before the server
+        was up), so one failed call says little. The caller bounds the wait."""
+        from tritonclient.utils import InferenceServerException
+
+        while True:
+            try:
+                return bool(await self._client.is_server_ready())
+            except InferenceServerException:
+                await asyncio.sleep(0.1)
 
     async def close(self) -> None:
         await self._client.close()

@@ -64,7 +64,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             full_wait_s=1,
             prefill_cache_bytes=256 << 10,
         ),
-        routing={"health_interval_s": 0.5, "probe_timeout_s": 1},
+        routing={"health_interval_s": 0.5},
         limits={"stage_timeout_s": 30},
     )
     deployment = Deployment(topology, tmp_path_factory.mktemp("cache"))
