@@ -199,6 +199,7 @@ def plot_all(runs: Sequence[RunResult], img_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     img_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in runs if r.tool == "epd-bench"]  # perf_analyzer's are tabled only
     written = []
     workloads = sorted({r.workload for r in runs})
     for workload in workloads:
