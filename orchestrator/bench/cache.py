@@ -11,7 +11,6 @@ ratio measures the whole repeated-image path, not the encoder alone.
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +28,7 @@ from orchestrator.bench.quick import (
     photo_variant,
     run_round,
 )
+from orchestrator.bench.schema import machine_info
 from orchestrator.config import Topology
 from orchestrator.metrics import encoder_passes
 
@@ -124,7 +124,7 @@ def run(url: str, topology: Topology, settings: Settings, images: int, args: dic
     rounds = asyncio.run(_bench(url, topology, settings, images))
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu_count": os.cpu_count(), "loadavg_after": os.getloadavg()},
+        "machine": machine_info(),
         "versions": {
             "vllm": package_version("vllm"),
             "tritonclient": package_version("tritonclient"),

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
-import os
-import platform
 import random
 import sys
 import time
@@ -23,7 +21,7 @@ from datetime import UTC, datetime
 
 from tritonclient.grpc.aio import InferenceServerClient
 
-from orchestrator.bench.schema import BenchReport, LatencyStats, RunResult
+from orchestrator.bench.schema import BenchReport, LatencyStats, RunResult, machine_info
 from orchestrator.client import request_inputs
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
@@ -374,12 +372,7 @@ def report(command: str, runs: list[RunResult], notes: Sequence[str] = ()) -> Be
     return BenchReport(
         command=command,
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine={
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg": os.getloadavg(),
-        },
+        machine=machine_info(),
         versions={
             "vllm": package_version("vllm"),
             "tritonclient": package_version("tritonclient"),

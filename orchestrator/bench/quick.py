@@ -15,7 +15,6 @@ import io
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +28,7 @@ import numpy as np
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
+from orchestrator.bench.schema import machine_info
 from orchestrator.client import sample_photo
 from orchestrator.config import Topology
 from orchestrator.triton.deployment import on_free_ports
@@ -368,13 +368,7 @@ def run(url: str, settings: Settings, args: dict[str, Any]) -> dict[str, Any]:
     rounds = asyncio.run(_bench(url, settings))
     context = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-        },
+        "machine": machine_info(load_before),
         "versions": {
             "vllm": package_version("vllm"),
             "tritonclient": package_version("tritonclient"),

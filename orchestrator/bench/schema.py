@@ -4,6 +4,8 @@ and ``epd bench report`` reads: one :class:`RunResult` per workload x target x l
 
 from __future__ import annotations
 
+import os
+import platform
 from collections.abc import Sequence
 from typing import Literal
 
@@ -75,3 +77,17 @@ class BenchReport(_Model):
     versions: dict
     runs: list[RunResult]
     notes: list[str] = Field(default_factory=list)
+
+
+def machine_info(loadavg_before: tuple[float, float, float] | None = None) -> dict:
+    """Where a benchmark ran, for its report: CPUs, platform, Python and the load around it
+    (a busy box explains odd numbers)."""
+    info = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_after": os.getloadavg(),
+    }
+    if loadavg_before is not None:
+        info["loadavg_before"] = loadavg_before
+    return info

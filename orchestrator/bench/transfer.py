@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import selectors
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from orchestrator.bench.schema import machine_info
 
 KINDS = ("nixl", "mooncake", "inline")
 MEMCPY = "memcpy"
@@ -347,13 +348,7 @@ def run(
     rows = summarize(timings)
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-        },
+        "machine": machine_info(load_before),
         "versions": {"nixl": package_version("nixl"), "mooncake": package_version("mooncake")},
         "settings": {
             "kinds": list(kinds),
