@@ -113,8 +113,9 @@ class EPDPipeline:
         request = parse_front_request(inputs, self.limits)
         request_id = uuid.uuid4().hex
         prompt = self.prompts.build(request.text, len(request.images))
-        for route in self.routes.values():
-            await route.require(self.routing.probe_timeout_s)
+        stages = ("encode", "prefill", "decode") if request.images else ("prefill", "decode")
+        for stage in stages:  # text-only requests do not need an encoder
+            await self.routes[stage].require(self.routing.probe_timeout_s)
 
         handles, holders = await self._encode_all(request.images)
         encoded = time.perf_counter()
