@@ -66,10 +66,6 @@ class EntryTable:
     def pinned_handles(self) -> int:
         return len(self._handles)
 
-    @property
-    def pinned_entries(self) -> int:
-        return sum(1 for e in self._entries.values() if e.pins)
-
     def find(self, key: str) -> Entry | None:
         """The cached entry for ``key`` (now most recently used), counting a hit or a miss."""
         entry = self.peek(key)

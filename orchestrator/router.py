@@ -82,12 +82,6 @@ class StageRoute:
         finally:
             self._outstanding[name] -= 1
 
-    @contextlib.contextmanager
-    def pick(self) -> Iterator[StageClient]:
-        """The least busy healthy server's client, counted as busy until the block ends."""
-        with self.use(self.choose()) as client:
-            yield client
-
     def mark_down(self, name: str, why: str) -> None:
         if name not in self._down:
             log.warning("%s server %s taken out: %s", self.stage, name, why)

@@ -23,16 +23,16 @@ def test_idle_servers_take_turns():
     route = _route("a", "b", "c")
     picked = []
     for _ in range(6):
-        with route.pick() as client:
+        with route.use(route.choose()) as client:
             picked.append(client.name)
     assert sorted(picked) == ["a", "a", "b", "b", "c", "c"]
 
 
 def test_busy_server_is_avoided_until_it_frees_up():
     route = _route("a", "b")
-    with route.pick() as held:
+    with route.use(route.choose()) as held:
         for _ in range(3):
-            with route.pick() as other:
+            with route.use(route.choose()) as other:
                 assert other.name != held.name
         assert route.outstanding[held.name] == 1
     assert route.outstanding == {"a": 0, "b": 0}
@@ -40,7 +40,7 @@ def test_busy_server_is_avoided_until_it_frees_up():
 
 def test_outstanding_is_released_when_the_call_fails():
     route = _route("a")
-    with pytest.raises(RuntimeError), route.pick():
+    with pytest.raises(RuntimeError), route.use(route.choose()):
         raise RuntimeError("stage failed")
     assert route.outstanding == {"a": 0}
 
