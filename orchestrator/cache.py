@@ -139,8 +139,8 @@ class EntryTable:
 
 class LocalEmbeddingCache:
     """Prefill's own LRU of pulled embeddings by content hash, within ``max_bytes``, so a
-    hot image does not cross the network again. Thread-safe; arrays are shared read-only
-    (callers copy when they build engine inputs)."""
+    hot image does not cross the network again. Thread-safe; ``put`` keeps a copy (the
+    caller's array is a slice of an engine input), ``get`` returns it read-only."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -160,10 +160,11 @@ class LocalEmbeddingCache:
     def put(self, key: str, array: np.ndarray) -> None:
         if array.nbytes > self.max_bytes:
             return
-        array.setflags(write=False)
         with self._lock:
             if key in self._arrays:
                 return
+            array = array.copy()
+            array.setflags(write=False)
             self._arrays[key] = array
             self._bytes += array.nbytes
             while self._bytes > self.max_bytes:

@@ -31,7 +31,7 @@ from orchestrator.protocol import (
     to_tensor,
 )
 from orchestrator.stage_client import BlsInfer
-from orchestrator.transfer.base import PoolFullError
+from orchestrator.transfer.base import PoolFullError, numpy_dtype
 from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
@@ -189,31 +189,42 @@ class PrefillHandler:
         handler.metrics.start()
         return handler
 
-    def _fetch(self, handle: EmbeddingHandle) -> tuple[np.ndarray, bool]:
-        """The handle's embeddings and whether they were pulled (not found locally)."""
+    def _fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> bool:
+        """Fill ``out`` with the handle's embeddings; True if they were pulled (not held)."""
         if (held := self.local.get(handle.content_hash)) is not None:
             try:
                 self.consumer.release(handle)
             except Exception as exc:  # noqa: BLE001 - the pin then lasts until its TTL
                 log.warning("release of handle %s failed: %s", handle.handle_id, exc)
-            return held, False
+            out[...] = held
+            return False
         start = time.perf_counter()
-        embeds = self.consumer.fetch(handle)
+        self.consumer.fetch_into(handle, out)
         self.fetch_seconds.observe(time.perf_counter() - start)
-        self.local.put(handle.content_hash, embeds)
-        return embeds, True
+        self.local.put(handle.content_hash, out)
+        return True
+
+    async def _pull(self, handles: list[EmbeddingHandle]) -> np.ndarray:
+        """All images' embeddings in one array (vLLM's input), each pulled into its rows."""
+        widths = {(h.shape[1], h.dtype) for h in handles}
+        if len(widths) > 1:
+            raise StageError(f"encoders disagree on embedding width/dtype: {sorted(widths)}")
+        [(width, dtype)] = widths
+        embeds = np.empty((sum(h.shape[0] for h in handles), width), numpy_dtype(dtype))
+        loop = asyncio.get_running_loop()
+        row = 0
+        for handle in handles:
+            rows = embeds[row : row + handle.shape[0]]
+            row += handle.shape[0]
+            if await loop.run_in_executor(None, self._fetch_into, handle, rows):
+                self.fetched_bytes += handle.nbytes  # summed on the loop thread only
+        return embeds
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
         images = None
         if request.handles:
-            loop = asyncio.get_running_loop()
-            fetched = [
-                await loop.run_in_executor(None, self._fetch, handle) for handle in request.handles
-            ]
-            embeds = [array for array, _ in fetched]
-            # Summed on the loop thread only.
-            self.fetched_bytes += sum(array.nbytes for array, pulled in fetched if pulled)
+            embeds = await self._pull(request.handles)
             images = image_input([h.image_grid_thw for h in request.handles], embeds)
         from vllm import SamplingParams
 

@@ -132,9 +132,9 @@ class LLMEngine:
 
 
 def image_input(
-    grids: list[tuple[int, int, int]], embeds: list[np.ndarray] | None = None
+    grids: list[tuple[int, int, int]], embeds: np.ndarray | None = None
 ) -> dict[str, Any]:
-    """vLLM's dict image input: all images' embeddings concatenated, one grid row per image.
+    """vLLM's dict image input: all images' embeddings in one array, one grid row per image.
 
     Without ``embeds`` it is the metadata-only form a KV consumer (decode) accepts: the grid
     alone sizes the placeholders and the mRoPE positions; the KV arrives over NIXL.
@@ -143,5 +143,5 @@ def image_input(
 
     data: dict[str, Any] = {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
     if embeds is not None:
-        data["image_embeds"] = torch.from_numpy(np.concatenate(embeds, axis=0))
+        data["image_embeds"] = torch.from_numpy(embeds)
     return data

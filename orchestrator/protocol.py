@@ -12,7 +12,7 @@ import time
 from typing import Annotated, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from orchestrator.config import describe
 
@@ -66,7 +66,7 @@ class EmbeddingHandle(_Wire):
     location: Annotated[
         NixlLocation | MooncakeLocation | InlinePayload, Field(discriminator="kind")
     ]
-    shape: tuple[int, int]
+    shape: tuple[PositiveInt, PositiveInt]
     """(num_image_tokens, hidden_size) of the embeddings."""
     dtype: Literal["float32", "float16", "bfloat16"]
     image_grid_thw: tuple[int, int, int]

@@ -8,8 +8,10 @@ each put has a new content hash, so every fetch is a real transfer, and each put
 waits for the last fetch to free its slot, so the pool never fills. The baseline is
 ``np.copyto`` of the same size into a preallocated array in the consumer process: the most
 a same-host transfer could do (up to a few MiB both buffers stay in CPU cache, so small
-sizes are held to cache speed; fixed costs dominate there anyway). ``fetch`` includes the
-copy into the fresh array prefill gets. Inline's cost sits mostly outside ``fetch``: base64
+sizes are held to cache speed; fixed costs dominate there anyway). The transports are
+timed the same way: ``fetch_into`` an array reused per size (prefill lands each image in
+its engine input); NIXL READs straight into it, Mooncake and inline copy into it from a
+receive buffer or decoded bytes. Inline's cost sits mostly outside the fetch: base64
 encoding is in ``put`` (reported too) and the 4/3-size handle rides with the request, which
 is not measured here.
 
@@ -58,7 +60,7 @@ class Timings:
     """Raw seconds of one transport at one size."""
 
     fetch_s: list[float] = field(default_factory=list)
-    """Consumer-side ``fetch`` of one handle (for ``memcpy``: one ``np.copyto``)."""
+    """Consumer-side ``fetch_into`` of one handle (for ``memcpy``: one ``np.copyto``)."""
     put_s: list[float] = field(default_factory=list)
     """Producer-side ``put`` of the same embeddings (none for ``memcpy``)."""
 

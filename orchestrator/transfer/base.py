@@ -2,7 +2,8 @@
 
 The encoder holds an :class:`EmbeddingProducer`: ``put`` parks one image's embeddings and
 returns a metadata-only :class:`~orchestrator.protocol.EmbeddingHandle`. Prefill holds an
-:class:`EmbeddingConsumer`: ``fetch`` turns a handle back into the array. Transports are
+:class:`EmbeddingConsumer`: ``fetch_into`` lands a handle's embeddings in an array the caller
+owns (prefill: its slice of the engine input), ``fetch`` in a fresh one. Transports are
 looked up by name and imported on first use, so choosing ``inline`` never loads NIXL.
 """
 
@@ -81,7 +82,8 @@ class ConsumerConfig(BaseModel):
     poll_interval_s: float = Field(default=50e-6, gt=0)
     """Sleep between checks of an in-flight READ (short: it sits on the request path)."""
     initial_buffer_bytes: int = Field(default=16 << 20, gt=0)
-    """Size of the registered receive buffer at start; it is re-registered larger on demand."""
+    """Size of Mooncake's registered receive buffer at start (re-registered larger on
+    demand); NIXL READs land in the caller's array and need none."""
     host: str = "127.0.0.1"
     """This side's address as producers see it (Mooncake's local hostname)."""
 
@@ -301,11 +303,20 @@ class EmbeddingConsumer(ABC):
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
 
-    @abstractmethod
     def fetch(self, handle: EmbeddingHandle) -> np.ndarray:
-        """The handle's embeddings as a fresh array; consumes the handle.
+        """The handle's embeddings as a fresh array; consumes the handle."""
+        out = np.empty(handle.shape, numpy_dtype(handle.dtype))
+        self.fetch_into(handle, out)
+        return out
 
-        Raises :class:`TransferError` saying why when the handle cannot be resolved.
+    @abstractmethod
+    def fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> None:
+        """Write the handle's embeddings into ``out`` (C-contiguous, the handle's shape and
+        dtype, e.g. rows of a larger array); consumes the handle. One-sided transports READ
+        straight into it, so prefill's concatenated input costs no copy per image.
+
+        Raises :class:`TransferError` saying why when the handle cannot be resolved (``out``
+        then holds garbage) and ``ValueError`` when ``out`` does not fit the handle.
         """
 
     def release(self, handle: EmbeddingHandle) -> None:  # noqa: B027 - nothing pinned
@@ -377,6 +388,19 @@ def as_embedding(embeds: np.ndarray) -> tuple[np.ndarray, str]:
     if embeds.dtype.name not in DTYPES:
         raise ValueError(f"embeddings dtype {embeds.dtype.name} not in {DTYPES}")
     return np.ascontiguousarray(embeds), embeds.dtype.name
+
+
+def destination_bytes(handle: EmbeddingHandle, out: np.ndarray) -> np.ndarray:
+    """``out`` as a flat byte view, once it is checked to fit the handle exactly."""
+    dtype = numpy_dtype(handle.dtype)
+    if out.shape != tuple(handle.shape) or out.dtype != dtype:
+        raise ValueError(
+            f"handle {handle.handle_id} holds {handle.dtype}{list(handle.shape)}, the "
+            f"destination is {out.dtype.name}{list(out.shape)}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"destination for handle {handle.handle_id} is not writable C order")
+    return out.reshape(-1).view(np.uint8)
 
 
 def location_of(handle: EmbeddingHandle, kind: str) -> Any:

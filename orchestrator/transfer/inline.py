@@ -15,8 +15,8 @@ from orchestrator.transfer.base import (
     ProducerConfig,
     StorageUsage,
     check_not_expired,
+    destination_bytes,
     location_of,
-    numpy_dtype,
 )
 
 
@@ -74,8 +74,9 @@ class InlineConsumer(EmbeddingConsumer):
 
     kind = "inline"
 
-    def fetch(self, handle: EmbeddingHandle) -> np.ndarray:
+    def fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> None:
         loc: InlinePayload = location_of(handle, self.kind)
+        dest = destination_bytes(handle, out)
         hid = handle.handle_id
         check_not_expired(handle)
         try:
@@ -87,6 +88,4 @@ class InlineConsumer(EmbeddingConsumer):
                 f"handle {hid}: payload has {len(raw)} bytes, shape {handle.shape} "
                 f"of {handle.dtype} needs {handle.nbytes}"
             )
-        out = np.empty(handle.shape, numpy_dtype(handle.dtype))
-        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, np.uint8)
-        return out
+        dest[:] = np.frombuffer(raw, np.uint8)

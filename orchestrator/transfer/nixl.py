@@ -15,6 +15,7 @@ processes that use this module with ``spawn`` or ``subprocess``, never ``fork``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -23,6 +24,8 @@ import socketserver
 import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,7 @@ from orchestrator.transfer.base import (
     ConsumerConfig,
     EmbeddingConsumer,
     ProducerConfig,
+    destination_bytes,
     location_of,
 )
 from orchestrator.transfer.registered import (
@@ -40,7 +44,7 @@ from orchestrator.transfer.registered import (
     ReceiveBuffer,
     Slot,
     check_frame,
-    unframe,
+    check_nonces,
 )
 
 log = logging.getLogger(__name__)
@@ -127,7 +131,8 @@ class NixlProducer(PoolProducer):
 
 
 class NixlConsumer(EmbeddingConsumer):
-    """One agent and one registered receive buffer; fetches are serialised on them."""
+    """One agent; fetches are serialised on it. Payloads land in the caller's array; a
+    small registered buffer takes the framing nonces."""
 
     kind = "nixl"
 
@@ -137,39 +142,57 @@ class NixlConsumer(EmbeddingConsumer):
         self._agent = _new_agent("epd-pre")
         self.agent_name: str = self._agent.name
         self._remotes: set[str] = set()
-        self._stuck: list[Any] = []  # READs NIXL could not cancel
+        self._stuck: list[tuple[Any, np.ndarray | None, Any]] = []  # abandoned READs
         self._closed = False
         with self._lock:
-            self._recv = ReceiveBuffer(
+            self._nonces = ReceiveBuffer(
                 lambda addr, size: self._agent.register_memory([(addr, size, 0, "")], "DRAM"),
                 self._agent.deregister_memory,
-                config.initial_buffer_bytes,
+                2 * NONCE_BYTES,
             )
 
-    def fetch(self, handle: EmbeddingHandle) -> np.ndarray:
+    def fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> None:
+        """One READ of three pieces: the slot's nonces into the nonce buffer, the payload
+        straight into ``out``, registered for the READ (microseconds for DRAM)."""
         loc: NixlLocation = location_of(handle, self.kind)
+        dest = destination_bytes(handle, out)
         nonce = check_frame(handle, loc.length, loc.nonce)
+        size = handle.nbytes
+        with self._connected(loc):
+            frame = self._nonces.ensure(2 * NONCE_BYTES)
+            self._read(
+                handle.handle_id,
+                loc,
+                [
+                    (frame.ctypes.data, loc.addr, NONCE_BYTES),
+                    (dest.ctypes.data, loc.addr + NONCE_BYTES, size),
+                    (frame.ctypes.data + NONCE_BYTES, loc.addr + NONCE_BYTES + size, NONCE_BYTES),
+                ],
+                dest,
+            )
+            check_nonces(handle, frame[:NONCE_BYTES], frame[NONCE_BYTES:], nonce, loc.agent)
+
+    def release(self, handle: EmbeddingHandle) -> None:
+        """A READ of the slot's leading nonce, carrying the handle id as its notification."""
+        loc: NixlLocation = location_of(handle, self.kind)
+        with self._connected(loc):
+            # A bare send_notif never arrived in testing (this side runs no progress
+            # thread); a 16-byte READ with the notification attached does.
+            frame = self._nonces.ensure(NONCE_BYTES)
+            self._read(handle.handle_id, loc, [(frame.ctypes.data, loc.addr, NONCE_BYTES)])
+
+    @contextmanager
+    def _connected(self, loc: NixlLocation) -> Iterator[None]:
+        """Hold the agent with ``loc``'s producer known to it. The side channel is dialled
+        outside the lock, so a slow producer does not stall fetches from others."""
         timeout = self.config.connect_timeout_s
-        # Dial outside the lock so a slow producer does not stall fetches from others.
         metadata = None if loc.agent in self._remotes else _fetch_metadata(loc, timeout)
         with self._lock:
             if self._closed:
                 raise TransferError("consumer is closed")
             if loc.agent not in self._remotes:
                 self._add_remote(loc, metadata or _fetch_metadata(loc, timeout))
-            return unframe(handle, self._read(handle.handle_id, loc), nonce, loc.agent)
-
-    def release(self, handle: EmbeddingHandle) -> None:
-        """A READ of the slot's leading nonce, carrying the handle id as its notification."""
-        loc: NixlLocation = location_of(handle, self.kind)
-        timeout = self.config.connect_timeout_s
-        metadata = None if loc.agent in self._remotes else _fetch_metadata(loc, timeout)
-        with self._lock:
-            if loc.agent not in self._remotes:
-                self._add_remote(loc, metadata or _fetch_metadata(loc, timeout))
-            # A bare send_notif never arrived in testing (this side runs no progress
-            # thread); a 16-byte READ with the notification attached does.
-            self._read(handle.handle_id, loc, NONCE_BYTES)
+            yield
 
     def _add_remote(self, loc: NixlLocation, metadata: bytes) -> None:
         try:
@@ -194,22 +217,32 @@ class NixlConsumer(EmbeddingConsumer):
         except Exception as exc:
             log.debug("remove_remote_agent(%s): %s", agent, exc)
 
-    def _read(self, hid: str, loc: NixlLocation, length: int | None = None) -> np.ndarray:
-        """READ the remote region (or its first ``length`` bytes) into the receive buffer,
-        bounded by ``xfer_timeout_s``; the handle id goes along as the notification."""
-        length = loc.length if length is None else length
-        buf = self._recv.ensure(length)
+    def _read(
+        self,
+        hid: str,
+        loc: NixlLocation,
+        pieces: list[tuple[int, int, int]],
+        dest: np.ndarray | None = None,
+    ) -> None:
+        """One READ of ``(local address, remote address, length)`` pieces from ``loc``'s
+        producer, bounded by ``xfer_timeout_s``, the handle id as its notification.
+        ``dest`` (if any) is registered for the READ's duration."""
         agent = self._agent
+        landing = None
+        if dest is not None:
+            landing = agent.register_memory([(dest.ctypes.data, dest.nbytes, 0, "")], "DRAM")
         state = "ERR"
         try:
             xfer = agent.initialize_xfer(
                 "READ",
-                agent.get_xfer_descs([(buf.ctypes.data, length, 0)], "DRAM"),
-                agent.get_xfer_descs([(loc.addr, length, 0)], "DRAM"),
+                agent.get_xfer_descs([(local, n, 0) for local, _, n in pieces], "DRAM"),
+                agent.get_xfer_descs([(remote, n, 0) for _, remote, n in pieces], "DRAM"),
                 loc.agent,
                 hid.encode(),
             )
         except Exception as exc:
+            if landing is not None:
+                agent.deregister_memory(landing)
             self._forget(loc.agent)
             raise TransferError(
                 f"NIXL READ of handle {hid} from {loc.agent} could not start "
@@ -226,14 +259,19 @@ class NixlConsumer(EmbeddingConsumer):
             state = "ERR"
         if state == "DONE":
             agent.release_xfer_handle(xfer)
-            return buf[:length]
+            if landing is not None:
+                agent.deregister_memory(landing)
+            return
         self._forget(loc.agent)
-        try:
+        with contextlib.suppress(Exception):
             agent.release_xfer_handle(xfer)
-        except Exception:
-            # NIXL could not cancel it: the READ may still land, so retire the buffer.
-            self._stuck.append(xfer)
-            self._recv.retire()
+        # Over UCX's tcp transport a READ given up on can still land later (and
+        # deregistering under it corrupted the heap in testing): its buffers stay alive and
+        # registered for the life of the consumer.
+        self._stuck.append((xfer, dest, landing))
+        self._nonces.retire()
+        kept = sum(d.nbytes for _, d, _ in self._stuck if d is not None)
+        log.warning("NIXL READ of %s abandoned; %d bytes of landing buffers kept", hid, kept)
         what = f"timed out after {self.config.xfer_timeout_s}s" if state == "PROC" else "failed"
         raise TransferError(
             f"NIXL READ of handle {hid} from producer {loc.agent} {what} "
@@ -245,7 +283,7 @@ class NixlConsumer(EmbeddingConsumer):
             if self._closed:
                 return
             self._closed = True
-            self._recv.release()
+            self._nonces.release()
 
 
 def _fetch_metadata(loc: NixlLocation, timeout_s: float) -> bytes:

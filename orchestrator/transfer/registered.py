@@ -26,7 +26,6 @@ from orchestrator.transfer.base import (
     ProducerConfig,
     StorageUsage,
     check_not_expired,
-    numpy_dtype,
 )
 from orchestrator.transfer.pool import BlockPool
 
@@ -148,20 +147,15 @@ def check_frame(handle: EmbeddingHandle, length: int, nonce_hex: str) -> np.ndar
         raise TransferError(f"handle {hid}: nonce {nonce_hex!r} is not hex") from None
 
 
-def unframe(
-    handle: EmbeddingHandle, region: np.ndarray, nonce: np.ndarray, peer: str
-) -> np.ndarray:
-    """The payload of a READ region as a fresh array, if its nonces are still the handle's."""
-    if not (
-        np.array_equal(region[:NONCE_BYTES], nonce) and np.array_equal(region[-NONCE_BYTES:], nonce)
-    ):
+def check_nonces(
+    handle: EmbeddingHandle, head: np.ndarray, tail: np.ndarray, nonce: np.ndarray, peer: str
+) -> None:
+    """Refuse a READ whose framing nonces are no longer the handle's."""
+    if not (np.array_equal(head, nonce) and np.array_equal(tail, nonce)):
         raise TransferError(
             f"handle {handle.handle_id} is unknown or was released: its slot in {peer} no "
             "longer holds it (evicted, or pulled or released with the cache off)"
         )
-    out = np.empty(handle.shape, numpy_dtype(handle.dtype))
-    out.reshape(-1).view(np.uint8)[:] = region[NONCE_BYTES:-NONCE_BYTES]
-    return out
 
 
 class ReceiveBuffer:

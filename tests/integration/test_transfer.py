@@ -171,6 +171,19 @@ def test_round_trip_is_byte_exact(producer, consumer):
 
 
 @pytest.mark.server
+@pytest.mark.timeout(120)
+def test_fetch_into_lands_each_image_in_its_rows(producer, consumer):
+    """Prefill's path: several images' embeddings pulled straight into consecutive rows of
+    one engine input; nothing outside them is written, a misfit destination is refused."""
+    puts = producer.put([(3, 1536), (4096, 1536), (1, 1536)], seed=500)
+    got = consumer.request("fetch_rows", handles=[p["handle"] for p in puts])
+    assert got["sha256"] == [p["sha256"] for p in puts]
+    assert got["guards_intact"]
+    assert "holds float32[3, 1536], the destination is float32[4, 1536]" in got["wrong_shape"]
+    assert wait_unpinned(producer)["pinned_handles"] == 0
+
+
+@pytest.mark.server
 @pytest.mark.timeout(180)
 def test_concurrent_batch_unpins_everything(kind, producer, consumer):
     puts = producer.put([(16 + 16 * i, 256) for i in range(48)], threads=4, seed=1000)

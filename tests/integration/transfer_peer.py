@@ -84,7 +84,29 @@ def serve_consumer(kind: str, cfg: dict) -> None:
             "seconds": seconds,
         }
 
+    def fetch_rows(raws: list[dict]) -> dict:
+        """Land same-width handles in consecutive rows of one array, as prefill does,
+        between two guard rows; then offer a destination of the wrong shape."""
+        handles = [EmbeddingHandle.model_validate(raw) for raw in raws]
+        dtype, cols = numpy_dtype(handles[0].dtype), handles[0].shape[1]
+        rows = sum(h.shape[0] for h in handles)
+        out = np.full((rows + 2, cols), 7, dtype)
+        at, digests = 1, []
+        for h in handles:
+            consumer.fetch_into(h, out[at : at + h.shape[0]])
+            digests.append(sha256(out[at : at + h.shape[0]]))
+            at += h.shape[0]
+        try:
+            consumer.fetch_into(handles[0], out[: handles[0].shape[0] + 1])
+            wrong = "accepted"
+        except ValueError as exc:
+            wrong = str(exc)
+        guards = bool((out[0] == 7).all() and (out[-1] == 7).all())
+        return {"sha256": digests, "guards_intact": guards, "wrong_shape": wrong}
+
     def run(cmd: dict) -> dict:
+        if cmd["op"] == "fetch_rows":
+            return fetch_rows(cmd["handles"])
         if cmd["op"] == "release":
             consumer.release(EmbeddingHandle.model_validate(cmd["handle"]))
             return {"released": True}

@@ -118,8 +118,11 @@ def test_prefill_cache_keeps_recent_arrays_within_budget():
     a, b, c = (_embeds(i) for i in range(3))
     cache.put("a", a)
     cache.put("b", b)
-    assert cache.get("a") is a  # a is now the most recent
+    held = cache.get("a")  # a is now the most recent
+    assert held is not a and np.array_equal(held, a)  # a copy: a is an engine input slice
+    a[:] = -1
+    assert np.array_equal(cache.get("a"), _embeds(0))  # later writes to a do not reach it
     cache.put("c", c)
-    assert cache.get("b") is None and cache.get("c") is c and cache.hits == 2
-    assert not a.flags.writeable  # shared: nobody may change it in place
+    assert cache.get("b") is None and np.array_equal(cache.get("c"), c) and cache.hits == 3
+    assert not held.flags.writeable  # shared: nobody may change it in place
     LocalEmbeddingCache(max_bytes=0).put("x", _embeds(5))  # off: keeps nothing, no error
