@@ -8,7 +8,11 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
+
+from orchestrator.model.tiny import Profile
+
+PROFILES = list(get_args(Profile))
 
 if TYPE_CHECKING:
     from orchestrator.config import ServerSpec
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     build = model.add_parser("build", help="build a random-weight Qwen2-VL offline")
     build.add_argument("dir")
-    build.add_argument("--profile", choices=["tiny", "bench"], default="tiny")
+    build.add_argument("--profile", choices=PROFILES, default="tiny")
     build.add_argument("--seed", type=int, default=0)
     build.set_defaults(func=cmd_model_build)
 
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ab = bench.add_parser("ab", help="the same workload against several deployments")
     ab.add_argument("--variant", action="append", help="deployment variants (default: all)")
     ab.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
-    ab.add_argument("--profile", choices=["tiny", "bench"], default="tiny", help="if built")
+    ab.add_argument("--profile", choices=PROFILES, default="tiny", help="if built")
     ab.add_argument("--pin-cpus", help="CPU lists per server, round-robin, e.g. 0:1")
     ab.add_argument("--encoder-threads", type=int, help="ONNX Runtime threads of the encoder")
     _add_load_arguments(ab, ".cache/bench/ab.json")

@@ -142,7 +142,6 @@ class LLMSpec(_Spec):
         default_factory=lambda: {
             "dtype": "float32",
             "enforce_eager": True,
-            "max_model_len": 1024,
             "block_size": 32,
             "max_num_seqs": 16,
             "seed": 0,
@@ -151,7 +150,8 @@ class LLMSpec(_Spec):
             "mm_processor_kwargs": {"use_fast": False},
         }
     )
-    """Keyword arguments of ``vllm.AsyncEngineArgs`` (role-specific ones are added)."""
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` (role-specific ones are added).
+    Without ``max_model_len`` engines serve the model's whole context."""
     kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
     """Where NixlConnector stages KV: ``cpu`` here, ``cuda`` on GPU servers."""
     kv_space_gib: int = Field(default=1, ge=1)

@@ -10,6 +10,7 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -34,6 +35,8 @@ def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any
         "model": str(topology.model),
         "limit_mm_per_prompt": {"image": topology.limits.max_images_per_request, "video": 0},
     }
+    if "max_model_len" not in args:  # explicit, so the front's budget check knows it
+        args["max_model_len"] = model_context(topology.model)
     if role == "prefill":
         args["enable_mm_embeds"] = True
     if role in ("prefill", "decode"):
@@ -45,6 +48,12 @@ def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any
         if not llm.nixl_progress_thread:
             args["kv_transfer_config"]["kv_connector_module_path"] = "orchestrator.kv_connector"
     return args
+
+
+def model_context(model: Path) -> int:
+    """The text model's ``max_position_embeddings`` (vLLM's default ``max_model_len``)."""
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("text_config", config)["max_position_embeddings"])
 
 
 def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]:

@@ -74,32 +74,44 @@ def run(
     ``encoder_threads`` sets ONNX Runtime's threads in the encoder: vLLM's own (aggregated)
     vision tower uses every core through torch, so a fair A/B gives the encoder as many.
     """
-    from orchestrator.bench.quick import embedded
-
     results: list[RunResult] = []
     for name in variants:
         if name == OFFLINE:
             from orchestrator.bench import offline
 
             print(f"== {name}: vLLM in-process", flush=True)
-            results += offline.run(plan, model, timeout_s + 3600)
-            continue
-        build, models = VARIANTS[name]
-        topology = build(model)
-        if encoder_threads:
-            encoder = topology.encoder.model_copy(update={"threads": encoder_threads})
-            topology = topology.model_copy(update={"encoder": encoder})
-        if cpu_lists:
-            topology = pin_cpus(topology, cpu_lists)
-        print(f"== {name}: starting {len(topology.servers)} servers", flush=True)
-        with embedded(topology, timeout_s) as running:
-            _, front = running.server_of("epd")
-            variant_plan = dataclasses.replace(plan, models=models)
-
-            def label(m: str, name: str = name) -> str:
-                return "aggregated" if m == "aggregated" else name
-
-            results += asyncio.run(
-                execute(front.grpc_url, variant_plan, label, (front.host, front.metrics_port))
-            )
+            runs = offline.run(plan, model, timeout_s + 3600)
+        else:
+            runs = _run_deployment(name, model, plan, timeout_s, cpu_lists, encoder_threads)
+        results += [run.model_copy(update={"model": model.name}) for run in runs]
     return results
+
+
+def _run_deployment(
+    name: str,
+    model: Path,
+    plan: LoadPlan,
+    timeout_s: float,
+    cpu_lists: list[str] | None,
+    encoder_threads: int | None,
+) -> list[RunResult]:
+    from orchestrator.bench.quick import embedded
+
+    build, models = VARIANTS[name]
+    topology = build(model)
+    if encoder_threads:
+        encoder = topology.encoder.model_copy(update={"threads": encoder_threads})
+        topology = topology.model_copy(update={"encoder": encoder})
+    if cpu_lists:
+        topology = pin_cpus(topology, cpu_lists)
+    print(f"== {name}: starting {len(topology.servers)} servers", flush=True)
+    with embedded(topology, timeout_s) as running:
+        _, front = running.server_of("epd")
+        variant_plan = dataclasses.replace(plan, models=models)
+
+        def label(m: str) -> str:
+            return "aggregated" if m == "aggregated" else name
+
+        return asyncio.run(
+            execute(front.grpc_url, variant_plan, label, (front.host, front.metrics_port))
+        )

@@ -38,13 +38,13 @@ def _num(value: float | None, spec: str = ".2f") -> str:
 
 def runs_table(runs: Sequence[RunResult]) -> str:
     lines = [
-        "| workload | target | load | TTFT p50 / p90 / p99 ms | latency p50 / p90 ms "
+        "| model | workload | target | load | TTFT p50 / p90 / p99 ms | latency p50 / p90 ms "
         "| ITL p50 ms | req/s | tok/s | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r.workload} | {r.target} | {r.load}={r.level:g} | "
+            f"| {r.model or '–'} | {r.workload} | {r.target} | {r.load}={r.level:g} | "
             f"{_ms(r.ttft_s.p50)} / {_ms(r.ttft_s.p90)} / {_ms(r.ttft_s.p99)} | "
             f"{_ms(r.latency_s.p50)} / {_ms(r.latency_s.p90)} | {_ms(r.itl_s.p50)} | "
             f"{_num(r.requests_per_s)} | {_num(r.tokens_per_s, '.1f')} | {r.errors}/{r.requests} |"
@@ -60,13 +60,18 @@ def _find(runs: Sequence[RunResult], targets: Sequence[str], workload: str) -> l
 
 
 def _pairs(runs, a_targets, b_targets, workload):
-    """(a, b) runs of one workload at the same load point."""
-    b_runs = {(r.load, r.level): r for r in _find(runs, b_targets, workload)}
+    """(a, b) runs of one workload and model at the same load point."""
+    b_runs = {(r.model, r.load, r.level): r for r in _find(runs, b_targets, workload)}
     return [
-        (a, b_runs[(a.load, a.level)])
+        (a, b_runs[(a.model, a.load, a.level)])
         for a in _find(runs, a_targets, workload)
-        if (a.load, a.level) in b_runs
+        if (a.model, a.load, a.level) in b_runs
     ]
+
+
+def _point(run: RunResult) -> str:
+    """Where a ratio was taken: the load point, and the model when known."""
+    return f"{run.load}={run.level:g}" + (f", {run.model} model" if run.model else "")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -93,7 +98,7 @@ def targets(
                     value,
                     "≤ 0.5",
                     value <= 0.5,
-                    f"{run.load}={run.level:g}",
+                    _point(run),
                 )
             )
 
@@ -109,7 +114,7 @@ def targets(
                     worst,
                     "≥ 1.2",
                     worst >= 1.2,
-                    f"worst over load points ({run.load}={run.level:g})",
+                    f"worst over load points ({_point(run)})",
                 )
             )
             break
@@ -129,7 +134,7 @@ def targets(
                     worst,
                     "≥ 0.8",
                     worst >= 0.8,
-                    f"worst over load points ({run.load}={run.level:g})",
+                    f"worst over load points ({_point(run)})",
                 )
             )
         single = [(a, b) for a, b in pairs if a.load == "concurrency" and a.level == 1]
@@ -140,7 +145,7 @@ def targets(
                     value,
                     "≤ 1.15",
                     value <= 1.15,
-                    "",
+                    _point(single[0][0]),
                 )
             )
         break

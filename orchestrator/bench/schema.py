@@ -42,6 +42,8 @@ class RunResult(_Model):
     target: str
     """What was measured: a model (``epd``, ``aggregated``) or an A/B label (``e-p-d/nixl``)."""
     workload: str
+    model: str = ""
+    """The model directory's name (``tiny``, ``bench``, ``wide``) where the runner knows it."""
     load: Literal["concurrency", "rate"]
     """Closed loop (``level`` requests in flight) or open loop (``level`` requests/s)."""
     level: float

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Profile = Literal["tiny", "bench"]
+Profile = Literal["tiny", "bench", "wide"]
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -66,7 +66,7 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } "
 
 @dataclass(frozen=True)
 class _Spec:
-    """Sizes that differ between profiles (the text model is the same in both)."""
+    """Sizes that differ between profiles."""
 
     depth: int
     embed_dim: int
@@ -77,6 +77,19 @@ class _Spec:
     """Small enough that fp32 rounding stays ~1e-6 relative through the tower (at 0.3 a
     10-block, 512-wide tower saturates its softmaxes and fp32 drifts 1% from fp64), large
     enough that image embeddings change the greedy tokens."""
+    text_hidden: int = 128
+    """Width of the text model, hence of every image embedding row (the merger's output)."""
+    text_heads: int = 2
+    text_layers: int = 2
+    text_intermediate: int = 256
+    max_position_embeddings: int = 2048
+    """The context vLLM serves (``max_model_len`` unless the topology sets one)."""
+
+    @property
+    def mrope_section(self) -> list[int]:
+        """Qwen2-VL's (t, h, w) split of half a head's rotary dims, in its 2:3:3 ratio."""
+        half = self.text_hidden // self.text_heads // 2
+        return [half // 4, 3 * half // 8, 3 * half // 8]
 
 
 _PROFILES: dict[str, _Spec] = {
@@ -92,6 +105,22 @@ _PROFILES: dict[str, _Spec] = {
         mlp_ratio=4,
         max_pixels=448 * 448,
         vision_init_std=0.06,
+    ),
+    # Real-VLM-sized embeddings at CPU cost: a 896x896 image is 1024 tokens x 2048 floats =
+    # 8 MiB (Qwen2-VL-7B: 3584 wide in bf16), from a light tower into a one-layer text model
+    # with 128-wide heads. What moving embeddings costs shows here, not in the other two.
+    "wide": _Spec(
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        mlp_ratio=2,
+        max_pixels=896 * 896,
+        vision_init_std=0.3,
+        text_hidden=2048,
+        text_heads=16,
+        text_layers=1,
+        text_intermediate=512,
+        max_position_embeddings=4096,
     ),
 }
 MIN_PIXELS = 56 * 56
@@ -125,17 +154,17 @@ def build_model(out_dir: Path, profile: Profile = "tiny", seed: int = 0) -> Path
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": VOCAB_SIZE,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
+            "hidden_size": spec.text_hidden,
+            "intermediate_size": spec.text_intermediate,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
             "num_key_value_heads": 1,
-            "max_position_embeddings": 2048,
+            "max_position_embeddings": spec.max_position_embeddings,
             "initializer_range": TEXT_INIT_STD,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 1_000_000.0,
-                "mrope_section": [8, 12, 12],
+                "mrope_section": spec.mrope_section,
             },
             "bos_token_id": ENDOFTEXT_ID,
             "eos_token_id": IM_END_ID,
@@ -146,7 +175,7 @@ def build_model(out_dir: Path, profile: Profile = "tiny", seed: int = 0) -> Path
             "embed_dim": spec.embed_dim,
             "num_heads": spec.num_heads,
             "mlp_ratio": spec.mlp_ratio,
-            "hidden_size": 128,
+            "hidden_size": spec.text_hidden,
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,

@@ -89,6 +89,19 @@ def test_targets_say_per_load_point_or_worst_and_if_met():
     assert "| 0.60 | ≤ 0.5 | **no** |" in table
 
 
+def test_ratios_pair_runs_of_the_same_model_only():
+    runs = [
+        _run("e-p-d/nixl", "large", 1, 3.0).model_copy(update={"model": "wide"}),
+        _run("e-p-d/inline", "large", 1, 2.0).model_copy(update={"model": "bench"}),
+    ]
+    assert report.targets(runs) == []  # different models: no ratio
+    runs.append(_run("e-p-d/inline", "large", 1, 1.0).model_copy(update={"model": "wide"}))
+    [nixl] = report.targets(runs)
+    assert nixl.measured == pytest.approx(3.0)
+    assert nixl.detail == "worst over load points (concurrency=1, wide model)"
+    assert "| wide | large | e-p-d/nixl | concurrency=1 |" in report.runs_table(runs)
+
+
 def test_report_round_trips_through_json(tmp_path):
     doc = load.report("epd bench run", [_run("epd", "mixed", 1, 1.0, text_p90=0.1)])
     path = tmp_path / "run.json"

@@ -158,6 +158,19 @@ def test_per_server_engine_args_and_instances_are_rendered(tiny_model: Path, tmp
     assert "count: 1" in (repos["encoder"] / "encode" / "config.pbtxt").read_text()
 
 
+def test_engines_serve_the_model_context_unless_the_topology_caps_it(tiny_model: Path):
+    from orchestrator.llm import engine_args
+    from orchestrator.model.tiny import _PROFILES
+
+    topo = default_topology(tiny_model)
+    assert engine_args(topo, "prefill", "prefill")["max_model_len"] == 2048
+    topo.servers["prefill"].engine_args = {"max_model_len": 512}
+    assert engine_args(topo, "prefill", "prefill")["max_model_len"] == 512
+    for spec in _PROFILES.values():  # Qwen2-VL's mRoPE covers half of each head, 2:3:3
+        t, h, w = spec.mrope_section
+        assert t + h + w == spec.text_hidden // spec.text_heads // 2 and 3 * t == 2 * h == 2 * w
+
+
 def test_instances_of_a_model_the_server_does_not_host_are_rejected():
     with pytest.raises(ValueError, match="sets instances of 'prefill', which it does not host"):
         Topology(
