@@ -19,6 +19,9 @@ from orchestrator.encoder.preprocess import PreprocessConfig
 INPUT_NAMES = ("pixel_values", "position_ids", "segment_ids")
 OUTPUT_NAME = "image_embeds"
 OPSET = 18
+GRAPH_VERSION = 2
+"""Bumped when the exported graph changes, so cached exports are redone (2: the segment
+mask is one additive bias for all blocks instead of a masked fill per block)."""
 META_ENCODER_ID = "epd.encoder_id"
 META_WEIGHTS_SHA = "epd.vision_weights_sha256"
 META_PREPROCESS = "epd.preprocess"
@@ -68,20 +71,22 @@ def _graph_module(visual):
             freqs = (position_ids[..., None].float() * self.inv_freq).flatten(1)  # [N, D/2]
             emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
             cos, sin = emb.cos(), emb.sin()
-            allowed = segment_ids[:, None] == segment_ids[None, :]
+            # Images attend within themselves. One additive bias for every block and head:
+            # a masked fill per block was a quarter of ONNX Runtime's time (its Where).
+            same_image = segment_ids[:, None] == segment_ids[None, :]
+            bias = torch.where(same_image, 0.0, float("-inf"))
             for blk in self.visual.blocks:
-                x = x + self._attention(blk.attn, blk.norm1(x), cos, sin, allowed)
+                x = x + self._attention(blk.attn, blk.norm1(x), cos, sin, bias)
                 x = x + blk.mlp(blk.norm2(x))
             return self.visual.merger(x)
 
-        def _attention(self, attn, x, cos, sin, allowed):
+        def _attention(self, attn, x, cos, sin, bias):
             n = x.shape[0]
             q, k, v = attn.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, Dh]
-            scores = torch.matmul(q, k.transpose(1, 2)) * self.scaling
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = torch.matmul(q, k.transpose(1, 2)) * self.scaling + bias
             out = torch.matmul(torch.softmax(scores, dim=-1), v)
             return attn.proj(out.transpose(0, 1).reshape(n, -1))
 

@@ -47,9 +47,13 @@ def vision_encoder_onnx(topology: Topology, cache_dir: Path) -> tuple[Path, str]
     """The vision tower exported to ONNX (cached by config + weights) and its encoder id."""
     import onnx
 
-    from orchestrator.encoder.onnx_export import META_ENCODER_ID, export_vision_encoder
+    from orchestrator.encoder.onnx_export import (
+        GRAPH_VERSION,
+        META_ENCODER_ID,
+        export_vision_encoder,
+    )
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"graph-{GRAPH_VERSION}".encode())
     for name in ("config.json", "model.safetensors"):
         path = topology.model / name
         if path.exists():
