@@ -25,7 +25,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -181,7 +180,7 @@ class NixlConsumer(EmbeddingConsumer):
             frame = self._nonces.ensure(NONCE_BYTES)
             self._read(handle.handle_id, loc, [(frame.ctypes.data, loc.addr, NONCE_BYTES)])
 
-    @contextmanager
+    @contextlib.contextmanager
     def _connected(self, loc: NixlLocation) -> Iterator[None]:
         """Hold the agent with ``loc``'s producer known to it. The side channel is dialled
         outside the lock, so a slow producer does not stall fetches from others."""
