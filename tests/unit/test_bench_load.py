@@ -73,7 +73,12 @@ def test_targets_say_per_load_point_or_worst_and_if_met():
         _run("e-p-d/inline", "large", 2, 2.0),
     ]
     cache = {"hit_over_miss": {"p50": 0.4}, "encoder_passes": 3, "image_requests": 6}
-    transfer = {"rows": [{"kind": "nixl", "bytes": 16 << 20, "ratio_to_memcpy": 0.6}]}
+    transfer = {
+        "rows": [
+            {"kind": "nixl", "bytes": 16 << 20, "ratio_to_memcpy": 0.6},
+            {"kind": "nixl", "bytes": 64 << 20, "ratio_to_memcpy": 0.8},
+        ]
+    }
     rows = report.targets(runs, cache, transfer)
     text = [(t.detail, t.measured, t.met) for t in rows if t.name.startswith("text-only")]
     assert text == [
@@ -83,7 +88,8 @@ def test_targets_say_per_load_point_or_worst_and_if_met():
     found = {t.name.split(",")[0]: t for t in rows}
     nixl = found["throughput"]
     assert (nixl.measured, nixl.met) == (pytest.approx(1.5), True)
-    assert found["NIXL pull bandwidth / same-host memcpy at 16 MiB"].met is False
+    pull = found["NIXL pull bandwidth / same-host memcpy at 16 MiB"]
+    assert (pull.measured, pull.met, pull.detail) == (0.6, False, "64 MiB: 0.80")
     assert found["repeated images: TTFT p50 on hits / misses"].met is True
     table = report.targets_table(report.targets(runs, cache, transfer))
     assert "| 0.60 | ≤ 0.5 | **no** |" in table
