@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -72,10 +71,7 @@ async def _run(plan: LoadPlan, model: Path) -> list[RunResult]:
 
 
 def run(plan: LoadPlan, model: Path, timeout_s: float) -> list[RunResult]:
-    """The offline runs in a child process (vLLM owns its process; nothing leaks into ours),
-    with the environment defaults the servers get."""
-    from orchestrator.triton.server import ENV_DEFAULTS
-
+    """The offline runs in a child process (vLLM owns its process; nothing leaks into ours)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -87,7 +83,6 @@ def run(plan: LoadPlan, model: Path, timeout_s: float) -> list[RunResult]:
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**ENV_DEFAULTS, **os.environ},
     )
     if proc.returncode:
         raise RuntimeError(f"offline vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
