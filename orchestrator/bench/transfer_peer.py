@@ -24,6 +24,7 @@ import numpy as np
 
 from orchestrator.protocol import EmbeddingHandle
 from orchestrator.transfer import EmbeddingProducer, make_consumer, make_producer
+from orchestrator.transfer.base import numpy_dtype
 
 COLUMNS = 256
 """float32 columns of a benchmark embedding: one KiB per row."""
@@ -69,14 +70,16 @@ def _wait_unpinned(producer: EmbeddingProducer) -> None:
 
 def serve_consumer(kind: str, cfg: dict) -> None:
     consumer = make_consumer(kind, **cfg)
-    landing: dict[tuple[int, ...], np.ndarray] = {}
+    landing: dict[tuple, np.ndarray] = {}
 
     def fetch(raw: dict) -> dict:
-        """``fetch_into`` a destination reused per size, as prefill's engine input and
-        memcpy's destination are: page faults of a fresh array are not the transport's."""
+        """``fetch_into`` a destination reused per shape, like memcpy's: faulting in a fresh
+        array's pages (prefill allocates one per request) is the allocator's cost, not the
+        transport's."""
         handle = EmbeddingHandle.model_validate(raw)
-        if (out := landing.get(handle.shape)) is None:
-            out = landing[handle.shape] = np.zeros(handle.shape, np.float32)
+        key = (handle.shape, handle.dtype)
+        if (out := landing.get(key)) is None:
+            out = landing[key] = np.zeros(handle.shape, numpy_dtype(handle.dtype))
         start = time.perf_counter()
         consumer.fetch_into(handle, out)
         return {"seconds": time.perf_counter() - start, "nbytes": out.nbytes}
