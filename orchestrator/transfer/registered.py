@@ -1,5 +1,6 @@
 """What the one-sided transports (NIXL, Mooncake) share: a registered DRAM pool on the
-encoder that consumers READ from, and a registered receive buffer on prefill.
+encoder that consumers READ from, and a registered buffer on prefill (Mooncake lands whole
+slots in it, NIXL only their nonces: its payload READs land in the caller's array).
 
 Slot layout in the producer's pool: ``nonce | payload | nonce`` (``NONCE_BYTES`` each
 side). The nonce is random per stored embedding and zeroed when it is evicted, so a
