@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
-from orchestrator.model.tiny import Profile
+from orchestrator.model.build import Family, Profile
 
 PROFILES = list(get_args(Profile))
+FAMILIES = list(get_args(Family))
 
 if TYPE_CHECKING:
     from orchestrator.config import ServerSpec
@@ -31,8 +32,8 @@ def _topology(args: argparse.Namespace):
         except (OSError, ValueError) as exc:
             raise SystemExit(f"epd: {exc}") from None
     model = Path(args.model)
-    if not (model / "config.json").exists():
-        from orchestrator.model.tiny import build_model
+    if model == DEFAULT_MODEL and not (model / "config.json").exists():
+        from orchestrator.model.build import build_model
 
         print(f"building the tiny model into {model} ...", flush=True)
         build_model(model, profile="tiny")
@@ -40,9 +41,19 @@ def _topology(args: argparse.Namespace):
 
 
 def cmd_model_build(args: argparse.Namespace) -> int:
-    from orchestrator.model.tiny import build_model
+    from orchestrator.model.build import build_model
 
-    path = build_model(Path(args.dir), profile=args.profile, seed=args.seed)
+    try:
+        path = build_model(
+            Path(args.dir),
+            profile=args.profile,
+            seed=args.seed,
+            family=args.family,
+            hub_layout=args.hub_layout,
+        )
+    except ValueError as exc:
+        print(f"epd model build: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -50,7 +61,12 @@ def cmd_model_build(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from orchestrator.triton.repository import render
 
-    for server, repo in render(_topology(args), Path(args.out)).items():
+    try:
+        repos = render(_topology(args), Path(args.out), progress=True)
+    except ValueError as exc:  # the checkpoint (CheckpointError) or the pool size
+        print(f"epd render: {exc}", file=sys.stderr)
+        return 2
+    for server, repo in repos.items():
         print(f"{server}: {repo}")
     return 0
 
@@ -64,14 +80,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     topology = _topology(args)
     try:
-        deployment = Deployment(topology, Path(args.workdir), only=args.server)
-    except ValueError as exc:
+        deployment = Deployment(
+            topology, Path(args.workdir), only=args.server, progress=lambda s: print(s, flush=True)
+        )
+    except ValueError as exc:  # nothing started: a bad checkpoint, family, pool or server
         print(f"epd serve: {exc}", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM stop everything in order. SIGINT is set explicitly: a shell that
     # starts us in the background without job control leaves it ignored otherwise.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
+    print(f"model: {topology.model} ({deployment.family.model_type})", flush=True)
     print("starting servers:", ", ".join(deployment.local), flush=True)
     try:
         with deployment.running(timeout_s=args.timeout):
@@ -104,7 +123,17 @@ def _demo(servers: dict[str, ServerSpec]) -> None:
 def cmd_encoder_export(args: argparse.Namespace) -> int:
     from orchestrator.encoder.onnx_export import export_vision_encoder
 
-    print(export_vision_encoder(Path(args.model_dir), Path(args.out)))
+    try:
+        out = export_vision_encoder(
+            Path(args.model_dir), Path(args.out), target=args.target, progress=True
+        )
+    except ValueError as exc:
+        print(f"epd encoder export: {exc}", file=sys.stderr)
+        return 2
+    from orchestrator.encoder.onnx_export import describe
+
+    print(f"vision encoder: {describe(out)}", file=sys.stderr)
+    print(out)
     return 0
 
 
@@ -229,7 +258,7 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
     plan = _load_plan(args, ())
     model = Path(args.model)
     if not (model / "config.json").exists():
-        from orchestrator.model.tiny import build_model
+        from orchestrator.model.build import build_model
 
         print(f"building the {args.profile} model into {model} ...", flush=True)
         build_model(model, profile=args.profile)
@@ -321,9 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     model = sub.add_parser("model", help="model utilities").add_subparsers(
         dest="sub", required=True
     )
-    build = model.add_parser("build", help="build a random-weight Qwen2-VL offline")
+    build = model.add_parser("build", help="build a random-weight checkpoint offline")
     build.add_argument("dir")
-    build.add_argument("--profile", choices=PROFILES, default="tiny")
+    build.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    build.add_argument("--profile", choices=PROFILES, default="tiny", help="qwen2_vl only")
+    build.add_argument(
+        "--hub-layout", action="store_true", help="bf16 in several shards, as a download"
+    )
     build.add_argument("--seed", type=int, default=0)
     build.set_defaults(func=cmd_model_build)
 
@@ -333,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     export = encoder.add_parser("export", help="export the vision tower to ONNX")
     export.add_argument("model_dir")
     export.add_argument("out")
+    export.add_argument(
+        "--target", choices=["onnxruntime", "tensorrt"], default="onnxruntime", help="runtime"
+    )
     export.set_defaults(func=cmd_encoder_export)
     trt = encoder.add_parser("build", help="build a TensorRT plan (GPU hosts) and check it")
     trt.add_argument("model_dir")

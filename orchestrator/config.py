@@ -107,9 +107,11 @@ class TransferSpec(_Spec):
     """``nixl``: metadata-only handle, prefill pulls with a NIXL READ. ``mooncake``: the
     same with Mooncake's TransferEngine (optional install). ``inline``: bytes in the request
     (A/B baseline)."""
-    pool_bytes: int = Field(default=64 << 20, gt=0)
+    pool_bytes: int | None = Field(default=None, gt=0)
     """Byte budget of each encoder's embedding cache (for NIXL: the DRAM pool registered
-    once at start)."""
+    once at start). Unset: sized from the model — 8 of its largest images' embeddings
+    (hidden size x tokens at the processor's largest size x 4 bytes), at least 64 MiB. A
+    pool that cannot hold one largest image is refused at start-up."""
     cache: bool = True
     """Keep embeddings after prefill pulled them, keyed by image content, so repeated images
     skip the encoder (LRU within ``pool_bytes``). Off: freed once pulled (A/B baseline)."""

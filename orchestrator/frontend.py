@@ -8,7 +8,6 @@ does work, so bad input costs nothing and gets a message naming the problem.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,28 +81,22 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
 class PromptBuilder:
     """Applies the model's own chat template with one image slot per image."""
 
-    def __init__(self, model_dir: Path, max_model_len: int, spatial_merge_size: int) -> None:
+    def __init__(self, model_dir: Path, max_model_len: int) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.max_model_len = max_model_len
-        self.merge_area = spatial_merge_size**2
 
     @classmethod
     def for_topology(cls, topology: Topology, roles: tuple[LLMRole, ...]) -> PromptBuilder:
         """The builder for requests served by the engines of ``roles``: their context is the
         smallest ``max_model_len`` among those engines' servers."""
-        config = json.loads((topology.model / "config.json").read_text())
         max_model_len = min(
             int(engine_args(topology, server, role)["max_model_len"])
             for role in roles
             for server in topology.servers_of(role)
         )
-        return cls(
-            topology.model,
-            max_model_len=max_model_len,
-            spatial_merge_size=int(config["vision_config"]["spatial_merge_size"]),
-        )
+        return cls(topology.model, max_model_len=max_model_len)
 
     def build(self, text: str, num_images: int) -> str:
         content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
@@ -111,11 +104,12 @@ class PromptBuilder:
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
 
-    def check_budget(self, prompt: str, grids: list[tuple[int, int, int]], max_tokens: int) -> int:
-        """Prompt length once image slots expand; ``InvalidRequest`` if it cannot fit."""
-        text_tokens = len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        image_tokens = sum(t * h * w // self.merge_area for t, h, w in grids)
-        total = text_tokens - len(grids) + image_tokens
+    def check_budget(self, prompt: str, image_tokens: list[int], max_tokens: int) -> int:
+        """Prompt length once each image's placeholder expands to its ``image_tokens``;
+        ``InvalidRequest`` if it cannot fit. Every family's template writes one placeholder
+        token per image; special tokens are added as vLLM adds them to a text prompt."""
+        text_tokens = len(self.tokenizer(prompt).input_ids)
+        total = text_tokens - len(image_tokens) + sum(image_tokens)
         if total + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"prompt ({total} tokens) + max_tokens ({max_tokens}) exceeds the model's "

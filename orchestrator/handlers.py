@@ -17,7 +17,7 @@ import numpy as np
 
 from orchestrator.cache import LocalEmbeddingCache
 from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
-from orchestrator.llm import LLMEngine, image_input, to_vllm_sampling
+from orchestrator.llm import LLMEngine, to_vllm_sampling
 from orchestrator.protocol import (
     DecodeRequest,
     EmbeddingHandle,
@@ -48,19 +48,20 @@ class EncodeHandler:
     ``vision_encoder`` (BLS) on the rest, and answer with metadata-only handles."""
 
     def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.encoder.preprocess import PreprocessConfig
+        from orchestrator.families import family_for
         from orchestrator.metrics import MetricsPublisher, publish_producer
-        from orchestrator.transfer import make_producer
+        from orchestrator.transfer import make_producer, pool_bytes_for
 
         topo = ctx.topology
         spec = topo.transfer
-        self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
+        self.family = family_for(topo.model)
+        self.preprocessing = self.family.preprocess_fingerprint()
         self.encoder_id = ctx.params["encoder_id"]
         self.full_wait_s = spec.full_wait_s
         self.bls = BlsInfer(ctx.pb_utils, topo.limits.stage_timeout_s)
         self.producer = make_producer(
             spec.kind,
-            pool_bytes=spec.pool_bytes,
+            pool_bytes=pool_bytes_for(spec.pool_bytes, self.family.max_image_bytes()),
             cache=spec.cache,
             ttl_s=spec.ttl_s,
             reclaim_grace_s=spec.reclaim_grace_s,
@@ -86,29 +87,28 @@ class EncodeHandler:
 
         try:
             image = decode_image(data)
+            self.family.image_layout(image.width, image.height)  # beyond the family's limits
         except ValueError as exc:
             raise InvalidRequest(f"image {i}: {exc}") from None
-        return image, content_hash(image, self.preprocess_config, self.encoder_id)
+        return image, content_hash(image, self.preprocessing, self.encoder_id)
 
     async def _encode(self, image: Any, digest: str) -> EmbeddingHandle:
         """Run the encoder on an image nobody holds; one pass per content hash at a time."""
-        from orchestrator.encoder.preprocess import preprocess
-        from orchestrator.encoder.runtime import graph_inputs
-
         loop = asyncio.get_running_loop()
-        pixel_values, grid = await loop.run_in_executor(
-            None, preprocess, image, self.preprocess_config
-        )
-        feeds = graph_inputs(pixel_values, grid, self.preprocess_config.merge_size)
+        encoder_input = await loop.run_in_executor(None, self.family.encoder_input, image)
         start = time.perf_counter()
-        out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"])
+        out = await self.bls.infer("vision_encoder", encoder_input.feeds, ["image_embeds"])
         self.encode_seconds.observe(time.perf_counter() - start)
+        embeds, layout = out["image_embeds"], encoder_input.layout
+        if embeds.shape != (layout.tokens, self.family.hidden_size):
+            raise StageError(
+                f"vision encoder returned {list(embeds.shape)}, expected "
+                f"[{layout.tokens}, {self.family.hidden_size}] for this image"
+            )
         deadline = time.monotonic() + self.full_wait_s
         while True:
             try:
-                return self.producer.put(
-                    out["image_embeds"], image_grid_thw=grid, content_hash=digest
-                )
+                return self.producer.put(embeds, grid_thw=layout.grid_thw, content_hash=digest)
             except PoolFullError as exc:
                 if time.monotonic() >= deadline:
                     raise Unavailable(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
@@ -159,10 +159,12 @@ class PrefillHandler:
     """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
 
     def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.families import family_for
         from orchestrator.metrics import MetricsPublisher
         from orchestrator.transfer import make_consumer
 
         kind = ctx.topology.transfer.kind
+        self.family = family_for(ctx.topology.model)
         self.engine = LLMEngine.for_model(ctx, "prefill")
         self.public_host = ctx.topology.servers[ctx.server].host
         self.consumer = make_consumer(kind, host=self.public_host)
@@ -222,19 +224,19 @@ class PrefillHandler:
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
-        images = None
+        prompt: dict[str, Any] = {"prompt": request.prompt}
         if request.handles:
             embeds = await self._pull(request.handles)
-            images = image_input([h.image_grid_thw for h in request.handles], embeds)
+            layouts = [h.layout for h in request.handles]
+            prompt["multi_modal_data"] = {"image": self.family.prefill_images(embeds, layouts)}
+            # vLLM's identity of each image: its content, not the tensor it is given.
+            prompt["multi_modal_uuids"] = {"image": [h.content_hash for h in request.handles]}
         from vllm import SamplingParams
 
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
         sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=remote_decode)
         final = None
-        hashes = [h.content_hash for h in request.handles]
-        async for out in self.engine.generate(
-            request.prompt, images, sampling, request.request_id, image_uuids=hashes
-        ):
+        async for out in self.engine.generate(prompt, sampling, request.request_id):
             final = out
         if final is None:
             raise StageError("prefill produced no output")
@@ -246,6 +248,11 @@ class PrefillHandler:
             PrefillResult(
                 kv_transfer_params=kv_params,
                 num_prompt_tokens=len(final.prompt_token_ids or []),
+                prompt_token_ids=(
+                    list(final.prompt_token_ids or [])
+                    if request.handles and self.family.decode_needs_token_ids
+                    else None
+                ),
             ),
         )
 
@@ -259,6 +266,9 @@ class DecodeHandler:
     """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text."""
 
     def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.families import family_for
+
+        self.family = family_for(ctx.topology.model)
         self.engine = LLMEngine.for_model(ctx, "decode")
 
     @classmethod
@@ -267,12 +277,15 @@ class DecodeHandler:
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
         request: DecodeRequest = from_tensor(inputs, "request", DecodeRequest)
-        images = image_input(request.image_grid_thw) if request.image_grid_thw else None
+        try:
+            prompt = self.family.decode_prompt(
+                request.prompt, request.prompt_token_ids, request.images, request.image_hashes
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         extra = {"kv_transfer_params": request.kv_transfer_params}
         sampling = to_vllm_sampling(request.sampling, extra_args=extra)
-        outputs = self.engine.generate(
-            request.prompt, images, sampling, request.request_id, image_uuids=request.image_hashes
-        )
+        outputs = self.engine.generate(prompt, sampling, request.request_id)
         async for response in text_responses(text_deltas(outputs), stream=True):
             yield response
 
@@ -284,33 +297,35 @@ class AggregatedHandler:
     """The baseline: one vLLM engine, pixels in, text out, same interface as ``epd``."""
 
     def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.encoder.preprocess import PreprocessConfig
+        from orchestrator.families import family_for
 
         topo = ctx.topology
         self.limits = topo.limits
+        self.family = family_for(topo.model)
         self.engine = LLMEngine.for_model(ctx, "aggregated")
         self.prompts = PromptBuilder.for_topology(topo, ("aggregated",))
-        self.preprocess_config = PreprocessConfig.from_model_dir(topo.model)
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> AggregatedHandler:
         return cls(ctx)
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
-        from orchestrator.encoder.preprocess import decode_image, image_grid
+        from orchestrator.encoder.preprocess import decode_image
 
         request = parse_front_request(inputs, self.limits)
-        images, grids = [], []
+        images, tokens = [], []
         for i, data in enumerate(request.images):
             try:
                 images.append(decode_image(data))
-                grids.append(image_grid(images[-1], self.preprocess_config))
+                tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
                 raise InvalidRequest(f"image {i}: {exc}") from None
-        prompt = self.prompts.build(request.text, len(images))
-        self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
-        sampling = to_vllm_sampling(request.sampling)
-        outputs = self.engine.generate(prompt, images or None, sampling)
+        text = self.prompts.build(request.text, len(images))
+        self.prompts.check_budget(text, tokens, request.sampling.max_tokens)
+        prompt: dict[str, Any] = {"prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        outputs = self.engine.generate(prompt, to_vllm_sampling(request.sampling))
         async for response in text_responses(text_deltas(outputs), request.stream):
             yield response
 

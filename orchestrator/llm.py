@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-
 from orchestrator.config import Topology
 from orchestrator.ports import free_ports
 from orchestrator.protocol import InvalidRequest, SamplingOptions
@@ -52,8 +50,9 @@ def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any
 
 def model_context(model: Path) -> int:
     """The text model's ``max_position_embeddings`` (vLLM's default ``max_model_len``)."""
-    config = json.loads((model / "config.json").read_text())
-    return int(config.get("text_config", config)["max_position_embeddings"])
+    from orchestrator.model.checkpoint import Checkpoint
+
+    return int(Checkpoint.open(model).text_config["max_position_embeddings"])
 
 
 def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]:
@@ -108,27 +107,14 @@ class LLMEngine:
         return cls(args, engine_env(ctx.topology, ctx.server, role))
 
     async def generate(
-        self,
-        prompt: str,
-        images: Any,
-        sampling,
-        request_id: str | None = None,
-        image_uuids: list[str] | None = None,
+        self, prompt: dict[str, Any], sampling, request_id: str | None = None
     ) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas; vLLM's input errors become ``InvalidRequest``.
-
-        ``image_uuids`` name the images' content. Prefill and decode must pass them: vLLM
-        otherwise hashes what it is given -- for decode only the grid -- so two different
-        images of one size would share prefix-cache blocks and decode would reuse wrong KV.
-        """
-        inputs: dict[str, Any] = {"prompt": prompt}
-        if images:
-            inputs["multi_modal_data"] = {"image": images}
-        if image_uuids:
-            inputs["multi_modal_uuids"] = {"image": image_uuids}
+        """Yield vLLM ``RequestOutput`` deltas for a vLLM prompt dict (text or token ids,
+        ``multi_modal_data``, ``multi_modal_uuids``, ``cache_salt``); vLLM's input errors
+        become ``InvalidRequest``."""
         rid = request_id or uuid.uuid4().hex
         try:
-            async for out in self.engine.generate(inputs, sampling, rid):
+            async for out in self.engine.generate(prompt, sampling, rid):
                 yield out
         except ValueError as exc:  # vLLM's input validation (length, mm limits)
             raise InvalidRequest(str(exc)) from None
@@ -138,19 +124,3 @@ class LLMEngine:
         ``AsyncLLM.__del__`` from shutting down again during interpreter teardown."""
         self.engine.shutdown()
         del self.engine
-
-
-def image_input(
-    grids: list[tuple[int, int, int]], embeds: np.ndarray | None = None
-) -> dict[str, Any]:
-    """vLLM's dict image input: all images' embeddings in one array, one grid row per image.
-
-    Without ``embeds`` it is the metadata-only form a KV consumer (decode) accepts: the grid
-    alone sizes the placeholders and the mRoPE positions; the KV arrives over NIXL.
-    """
-    import torch
-
-    data: dict[str, Any] = {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
-    if embeds is not None:
-        data["image_embeds"] = torch.from_numpy(embeds)
-    return data

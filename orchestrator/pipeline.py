@@ -119,8 +119,9 @@ class EPDPipeline:
 
         handles, holders = await self._encode_all(request.images)
         encoded = time.perf_counter()
-        grids = [h.image_grid_thw for h in handles]
-        self.prompts.check_budget(prompt, grids, request.sampling.max_tokens)
+        self.prompts.check_budget(
+            prompt, [h.shape[0] for h in handles], request.sampling.max_tokens
+        )
         try:
             result = await self._prefill(request_id, prompt, handles)
         except Unavailable as exc:
@@ -142,7 +143,8 @@ class EPDPipeline:
         decode = DecodeRequest(
             request_id=request_id,
             prompt=prompt,
-            image_grid_thw=grids,
+            prompt_token_ids=result.prompt_token_ids,
+            images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
             sampling=request.sampling,
             kv_transfer_params=result.kv_transfer_params,

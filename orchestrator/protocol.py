@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from orchestrator.config import describe
+from orchestrator.families.base import ImageLayout
 
 
 class _Wire(BaseModel):
@@ -69,8 +70,9 @@ class EmbeddingHandle(_Wire):
     shape: tuple[PositiveInt, PositiveInt]
     """(num_image_tokens, hidden_size) of the embeddings."""
     dtype: Literal["float32", "float16", "bfloat16"]
-    image_grid_thw: tuple[int, int, int]
-    """(t, h, w) patch grid before the 2x2 merge; vLLM needs it for mRoPE positions."""
+    grid_thw: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
+    """(t, h, w) patch grid before merging, for families with grids (vLLM needs it for
+    mRoPE positions); None for fixed-size families."""
     content_hash: str
     """Hash of decoded pixels + preprocessing parameters + encoder identity."""
     expires_at: float
@@ -78,6 +80,11 @@ class EmbeddingHandle(_Wire):
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
+
+    @property
+    def layout(self) -> ImageLayout:
+        """What the image becomes in the prompt (rows = image tokens)."""
+        return ImageLayout(tokens=self.shape[0], grid_thw=self.grid_thw)
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +104,9 @@ class PrefillResult(_Wire):
     kv_transfer_params: dict | None
     """Returned by the NixlConnector producer; ``None`` when KV transfer is off."""
     num_prompt_tokens: int
+    prompt_token_ids: list[int] | None = None
+    """The prompt as prefill's engine tokenized it, image placeholders expanded: sent only
+    for families whose decode cannot be given images as metadata (LLaVA)."""
 
 
 class SamplingOptions(_Wire):
@@ -138,11 +148,15 @@ class PrefillRequest(_Wire):
 
 
 class DecodeRequest(_Wire):
-    """Front -> decode: prompt, grids only (for mRoPE positions) and the KV to pull."""
+    """Front -> decode: prompt, image layouts only (no embeddings) and the KV to pull."""
 
     request_id: str
     prompt: str
-    image_grid_thw: list[tuple[int, int, int]] = Field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    """Prefill's tokenization, for families that need it (``PrefillResult``)."""
+    images: list[ImageLayout] = Field(default_factory=list)
+    """Each image's token count and grid (from its handle): enough to place the image
+    tokens and, for Qwen, the mRoPE positions; the KV itself arrives from prefill."""
     image_hashes: list[str] = Field(default_factory=list)
     """Content hashes of the images (from their handles): vLLM's identity for them."""
     sampling: SamplingOptions

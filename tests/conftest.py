@@ -27,9 +27,30 @@ signal.signal(signal.SIGTERM, _interrupt)
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from orchestrator.model.tiny import build_model
+    from orchestrator.model.build import build_model
 
     return build_model(tmp_path_factory.mktemp("model") / "tiny", profile="tiny", seed=0)
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+"""Every supported family; each gets a random checkpoint laid out as a hub download."""
+
+
+@pytest.fixture(scope="session")
+def hub_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """``hub_checkpoint(family)``: that family's random bf16 checkpoint in several shards with
+    an index and its processor files, built once per session."""
+    from orchestrator.model.build import build_model
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp(f"hub-{family}") / family
+            built[family] = build_model(out, family=family, hub_layout=True)  # type: ignore[arg-type]
+        return built[family]
+
+    return get
 
 
 @functools.cache

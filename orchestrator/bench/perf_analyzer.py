@@ -391,7 +391,7 @@ def _topology(model_dir: Path):
     from orchestrator.config import default_topology
 
     if not (model_dir / "config.json").exists():
-        from orchestrator.model.tiny import build_model
+        from orchestrator.model.build import build_model
 
         print(f"building the tiny model into {model_dir} ...", flush=True)
         build_model(model_dir, profile="tiny")

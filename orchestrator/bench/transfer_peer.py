@@ -51,9 +51,7 @@ def serve_producer(kind: str, cfg: dict) -> None:
             arrays[nbytes] = embedding(nbytes)
         _wait_unpinned(producer)
         start = time.perf_counter()
-        handle = producer.put(
-            arrays[nbytes], image_grid_thw=(1, 2, 2), content_hash=f"bench-{nbytes}-{cmd['serial']}"
-        )
+        handle = producer.put(arrays[nbytes], content_hash=f"bench-{nbytes}-{cmd['serial']}")
         seconds = time.perf_counter() - start
         return {"handle": handle.model_dump(mode="json"), "seconds": seconds}
 

@@ -1,8 +1,9 @@
 """Inference runtimes for the exported vision encoder (see ``onnx_export``).
 
 The encoder stage talks to one small interface so the backend (onnxruntime on CPU here,
-TensorRT on a GPU host) is a deployment choice. Both run the same ONNX file and read the
-encoder identity from its metadata, so cache keys do not depend on the backend.
+TensorRT on a GPU host) is a deployment choice. Both run an ONNX file of the same graph and
+read the encoder identity from its metadata, so cache keys do not depend on the backend.
+Inputs are whatever the model family's graph takes, by name.
 """
 
 from __future__ import annotations
@@ -14,76 +15,39 @@ from typing import Literal
 import numpy as np
 
 from orchestrator.encoder.onnx_export import (
-    INPUT_NAMES,
     META_ENCODER_ID,
     META_HIDDEN_SIZE,
-    META_MERGE_SIZE,
     OUTPUT_NAME,
+    read_metadata,
 )
-from orchestrator.encoder.preprocess import segment_ids, vision_position_ids
-
-
-def graph_inputs(
-    pixel_values: np.ndarray, image_grid_thw: np.ndarray | tuple[int, int, int], merge_size: int
-) -> dict[str, np.ndarray]:
-    """The encoder graph's inputs by name: patches plus the positions and segments numpy
-    computes from the grid (the part of the vision forward a static graph cannot hold)."""
-    return dict(
-        zip(
-            INPUT_NAMES,
-            (
-                pixel_values,
-                vision_position_ids(image_grid_thw, merge_size),
-                segment_ids(image_grid_thw),
-            ),
-            strict=True,
-        )
-    )
 
 
 class VisionEncoderRuntime(ABC):
-    """Turns preprocessed patches into the embeddings vLLM accepts as ``image_embeds``."""
+    """Turns one image's graph inputs into the embeddings vLLM accepts as ``image_embeds``."""
 
     encoder_id: str
     """Identity of the weights (from the ONNX metadata); part of embedding cache keys."""
-    merge_size: int
     hidden_size: int
-
-    def encode(
-        self, pixel_values: np.ndarray, image_grid_thw: np.ndarray | tuple[int, int, int]
-    ) -> np.ndarray:
-        """Embeddings ``[sum(t*h*w) / merge_size**2, hidden_size]`` float32.
-
-        ``image_grid_thw`` is one ``(t, h, w)`` or ``[k, 3]`` for ``k`` images whose patches
-        are concatenated in ``pixel_values``; their embeddings come back concatenated too.
-        """
-        grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
-        pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
-        expected = int(grids.prod(axis=1).sum())
-        if pixel_values.ndim != 2 or pixel_values.shape[0] != expected:
-            raise ValueError(
-                f"pixel_values {pixel_values.shape} do not match grids {grids.tolist()} "
-                f"({expected} patches)"
-            )
-        if (grids[:, 1:] % self.merge_size).any():
-            raise ValueError(f"grid h/w must be multiples of merge_size={self.merge_size}")
-        return self.run_graph(**graph_inputs(pixel_values, grids, self.merge_size))
+    input_names: tuple[str, ...]
 
     @abstractmethod
-    def run_graph(
-        self, pixel_values: np.ndarray, position_ids: np.ndarray, segment_ids: np.ndarray
-    ) -> np.ndarray:
-        """Run the graph on its raw inputs (what the Triton ``vision_encoder`` model gets)."""
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """Embeddings ``[tokens, hidden_size]`` float32 from the graph's inputs by name."""
 
     def _set_identity(self, meta: dict[str, str]) -> None:
         try:
             self.encoder_id = meta[META_ENCODER_ID]
-            self.merge_size = int(meta[META_MERGE_SIZE])
             self.hidden_size = int(meta[META_HIDDEN_SIZE])
         except KeyError as e:
             raise ValueError(
-                f"ONNX file lacks {e.args[0]!r} metadata: not made by export_vision_encoder"
+                f"ONNX file lacks {e.args[0]!r} metadata: not made by export_vision_encoder "
+                "(or made by an older version: export it again)"
             ) from e
+
+    def _check(self, feeds: dict[str, np.ndarray]) -> None:
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise ValueError(f"vision encoder inputs missing: {missing}")
 
 
 class OnnxRuntimeEncoder(VisionEncoderRuntime):
@@ -109,12 +73,11 @@ class OnnxRuntimeEncoder(VisionEncoderRuntime):
             str(onnx_path), options, providers=["CPUExecutionProvider"]
         )
         self._set_identity(self._session.get_modelmeta().custom_metadata_map)
+        self.input_names = tuple(i.name for i in self._session.get_inputs())
 
-    def run_graph(
-        self, pixel_values: np.ndarray, position_ids: np.ndarray, segment_ids: np.ndarray
-    ) -> np.ndarray:
-        feeds = dict(zip(INPUT_NAMES, (pixel_values, position_ids, segment_ids), strict=True))
-        return self._session.run([OUTPUT_NAME], feeds)[0]
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        self._check(feeds)
+        return self._session.run([OUTPUT_NAME], {n: feeds[n] for n in self.input_names})[0]
 
 
 class TensorRTUnavailable(RuntimeError):
@@ -138,45 +101,45 @@ def require_tensorrt():
 
 
 class TensorRTEncoder(VisionEncoderRuntime):
-    """GPU inference with TensorRT (10.x Python API), engine built from the ONNX file.
+    """GPU inference with TensorRT (10.x Python API), engine built from an ONNX file exported
+    for ``target="tensorrt"`` (plain attention ops, which TensorRT fuses).
 
     Untested: this code has never run. It was written for GPU hosts; the development and CI
     machines have no GPU and cannot install ``tensorrt``, so ``tensorrt`` and ``torch.cuda``
     (used for device buffers and the stream) are imported only when an instance is made.
-    The engine has one optimization profile over the patch axis (``min/opt/max_patches``,
-    multiples of ``merge_size**2``); a serialized engine is cached at ``engine_path``.
+    The engine has one optimization profile over every dynamic axis (``min/opt/max`` rows);
+    a serialized engine is cached at ``engine_path``.
     """
 
     def __init__(
         self,
         onnx_path: str | Path,
         engine_path: str | Path | None = None,
-        min_patches: int = 4,
-        opt_patches: int = 1024,
-        max_patches: int = 16384,
+        min_rows: int = 4,
+        opt_rows: int = 1024,
+        max_rows: int = 16384,
         fp16: bool = False,
         workspace_bytes: int = 2 << 30,
     ) -> None:
-        import onnx
-
         trt, torch = require_tensorrt()
         self._trt, self._torch = trt, torch
         onnx_path = Path(onnx_path)
-        meta = onnx.load(str(onnx_path), load_external_data=False).metadata_props
-        self._set_identity({p.key: p.value for p in meta})
+        self._set_identity(read_metadata(onnx_path))
         self._logger = trt.Logger(trt.Logger.WARNING)
         engine_path = Path(engine_path) if engine_path else onnx_path.with_suffix(".plan")
         if engine_path.exists():
             serialized = engine_path.read_bytes()
         else:
-            serialized = self._build(
-                onnx_path, min_patches, opt_patches, max_patches, fp16, workspace_bytes
-            )
+            serialized = self._build(onnx_path, min_rows, opt_rows, max_rows, fp16, workspace_bytes)
             engine_path.write_bytes(serialized)
         self._engine = trt.Runtime(self._logger).deserialize_cuda_engine(serialized)
         if self._engine is None:
             raise RuntimeError(f"cannot deserialize TensorRT engine {engine_path}")
         self._context = self._engine.create_execution_context()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        self.input_names = tuple(
+            n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT
+        )
 
     def _build(
         self, onnx_path: Path, lo: int, opt: int, hi: int, fp16: bool, workspace_bytes: int
@@ -195,22 +158,25 @@ class TensorRTEncoder(VisionEncoderRuntime):
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
             tensor = network.get_input(i)
-            tail = tuple(tensor.shape)[1:]
-            profile.set_shape(tensor.name, (lo, *tail), (opt, *tail), (hi, *tail))
+            shape = tuple(tensor.shape)
+
+            def at(rows: int, shape=shape) -> tuple[int, ...]:
+                return tuple(rows if d == -1 else d for d in shape)
+
+            profile.set_shape(tensor.name, at(lo), at(opt), at(hi))
         config.add_optimization_profile(profile)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise RuntimeError(f"TensorRT engine build failed for {onnx_path}")
         return bytes(serialized)
 
-    def run_graph(
-        self, pixel_values: np.ndarray, position_ids: np.ndarray, segment_ids: np.ndarray
-    ) -> np.ndarray:
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        self._check(feeds)
         trt, torch = self._trt, self._torch
         keep = []
-        for name, array in zip(INPUT_NAMES, (pixel_values, position_ids, segment_ids), strict=True):
+        for name in self.input_names:
             dtype = trt.nptype(self._engine.get_tensor_dtype(name))
-            device = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).cuda()
+            device = torch.from_numpy(np.ascontiguousarray(feeds[name], dtype=dtype)).cuda()
             self._context.set_input_shape(name, tuple(device.shape))
             self._context.set_tensor_address(name, device.data_ptr())
             keep.append(device)

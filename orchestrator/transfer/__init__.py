@@ -12,6 +12,7 @@ from orchestrator.transfer.base import (
     ProducerStats,
     make_consumer,
     make_producer,
+    pool_bytes_for,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "ProducerStats",
     "make_consumer",
     "make_producer",
+    "pool_bytes_for",
 ]

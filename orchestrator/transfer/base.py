@@ -173,9 +173,14 @@ class EmbeddingProducer(ABC):
             return None if entry is None else self._lend(entry)
 
     def put(
-        self, embeds: np.ndarray, *, image_grid_thw: tuple[int, int, int], content_hash: str
+        self,
+        embeds: np.ndarray,
+        *,
+        content_hash: str,
+        grid_thw: tuple[int, int, int] | None = None,
     ) -> EmbeddingHandle:
         """Store ``embeds`` (2-D: tokens x hidden) under ``content_hash``; a handle to it.
+        ``grid_thw`` is the image's patch grid for families that have one (Qwen).
 
         Raises :class:`PoolFullError` when no room can be made (all of it is pinned).
         """
@@ -192,7 +197,8 @@ class EmbeddingProducer(ABC):
             with self._lock:
                 entry = self._table.peek(content_hash)
                 if entry is None:  # a concurrent put of the same image may have won
-                    meta = _Meta(arr.shape, arr.dtype.name, tuple(image_grid_thw), content_hash)
+                    grid = tuple(grid_thw) if grid_thw is not None else None
+                    meta = _Meta(arr.shape, arr.dtype.name, grid, content_hash)
                     entry = self._table.add(content_hash, slot, meta, charged, new_handle_id())
                 else:
                     self._discard(slot)
@@ -228,7 +234,7 @@ class EmbeddingProducer(ABC):
             location=location,
             shape=meta.shape,
             dtype=meta.dtype,
-            image_grid_thw=meta.image_grid_thw,
+            grid_thw=meta.grid_thw,
             content_hash=meta.content_hash,
             expires_at=expires_at,
         )
@@ -291,7 +297,7 @@ class EmbeddingProducer(ABC):
 class _Meta:
     shape: tuple[int, int]
     dtype: str
-    image_grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None
     content_hash: str
 
 
@@ -359,6 +365,32 @@ def _load(kind: str, role: int) -> Any:
 def make_producer(kind: TransferKind, **cfg: Any) -> EmbeddingProducer:
     """Build the encoder side of transport ``kind`` from :class:`ProducerConfig` fields."""
     return _load(kind, 0)(ProducerConfig(**cfg))
+
+
+DEFAULT_POOL_BYTES = 64 << 20
+"""Floor of the model-sized default pool (small models get room for many images)."""
+POOL_IMAGES = 8
+"""Largest images the model-sized default pool holds at once."""
+SLOT_OVERHEAD = 32
+"""Bytes a slot adds around its payload (two 16-byte nonces in the registered pool)."""
+
+
+def pool_bytes_for(configured: int | None, max_image_bytes: int) -> int:
+    """The encoder pool's size: ``configured``, or sized from the model — ``POOL_IMAGES``
+    of its largest images, at least ``DEFAULT_POOL_BYTES``. A configured pool that cannot
+    hold one largest image is a ``ValueError`` (raised at start-up, not at the first big
+    image)."""
+    block = ProducerConfig.model_fields["block_bytes"].default
+    one = -(-(max_image_bytes + SLOT_OVERHEAD) // block) * block
+    if configured is None:
+        return max(DEFAULT_POOL_BYTES, POOL_IMAGES * one)
+    if configured < one:
+        raise ValueError(
+            f"transfer.pool_bytes={configured} cannot hold one image's embeddings: the "
+            f"model's largest image needs {max_image_bytes} bytes ({one} with the pool's "
+            f"{block}-byte blocks); raise pool_bytes or leave it unset (sized from the model)"
+        )
+    return configured
 
 
 def make_consumer(kind: TransferKind, **cfg: Any) -> EmbeddingConsumer:

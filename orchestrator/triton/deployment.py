@@ -9,14 +9,27 @@ import contextlib
 import fcntl
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.config import Topology
+from orchestrator.families import ModelFamily
 from orchestrator.ports import free_ports
 from orchestrator.triton.repository import render
 from orchestrator.triton.server import TritonServer
+
+
+def preflight(topology: Topology) -> ModelFamily:
+    """Check the checkpoint, its family and the embedding pool size; raise ``ValueError``."""
+    from orchestrator.families import family_for
+    from orchestrator.transfer import pool_bytes_for
+
+    family = family_for(topology.model)
+    if topology.servers_of("encode"):
+        pool_bytes_for(topology.transfer.pool_bytes, family.max_image_bytes())
+    return family
 
 
 class DeploymentBusy(RuntimeError):
@@ -52,12 +65,25 @@ def on_free_ports(topology: Topology) -> Topology:
 class Deployment:
     """The Triton servers of one topology, rendered under ``workdir``."""
 
-    def __init__(self, topology: Topology, workdir: Path, only: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        workdir: Path,
+        only: list[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         """``only`` names the servers to start here (one host of a multi-host topology);
-        by default all of them."""
+        by default all of them. ``progress`` receives a line per step while servers come up
+        (and the encoder export draws its bar).
+
+        The checkpoint and what depends on it are checked here, before anything starts:
+        raises ``ValueError`` (a ``CheckpointError`` naming the file, an unsupported family
+        listing the supported ones, a pool too small for one image)."""
         unknown = set(only or ()) - set(topology.servers)
         if unknown:
             raise ValueError(f"no such server(s) in the topology: {sorted(unknown)}")
+        self.family = preflight(topology)
+        self.progress = progress
         self.topology = topology
         self.local = {n: s for n, s in topology.servers.items() if not only or n in only}
         self.workdir = workdir.resolve()
@@ -97,8 +123,10 @@ class Deployment:
     def start(self, timeout_s: float = 300) -> None:
         """Render, start all servers at once (vLLM engines build in parallel), wait ready."""
         self._acquire()
+        say = self.progress or (lambda line: None)
         try:
-            repos = render(self.topology, self.workdir / "repos")
+            repos = render(self.topology, self.workdir / "repos", progress=bool(self.progress))
+            started = time.monotonic()
             for name, spec in self.local.items():
                 server = TritonServer(
                     model_repository=repos[name],
@@ -114,8 +142,10 @@ class Deployment:
                 )
                 self.servers[name] = server
                 server.start()
-            for server in self.servers.values():
+                say(f"  {name}: starting ({', '.join(spec.stages)}), log {server.log_path}")
+            for name, server in self.servers.items():
                 server.wait_ready(timeout_s)
+                say(f"  {name}: ready after {time.monotonic() - started:.1f} s")
         except BaseException:
             self.stop()
             raise

@@ -7,8 +7,8 @@ so ``model.py`` files stay generic and every setting lives in one validated plac
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -43,51 +43,84 @@ def _parameters(params: dict[str, str]) -> str:
     )
 
 
-def vision_encoder_onnx(topology: Topology, cache_dir: Path) -> tuple[Path, str]:
-    """The vision tower exported to ONNX (cached by config + weights) and its encoder id."""
-    import onnx
+def vision_encoder_onnx(
+    topology: Topology, cache_dir: Path, progress: bool = False
+) -> tuple[Path, str]:
+    """The vision encoder exported to ONNX and its encoder id.
 
+    Exports are cached in ``cache_dir`` under a key covering the checkpoint (config,
+    processor settings, every weight file's content), the family's graph version, the
+    exporter's version and the target runtime; a changed shard means a new export.
+    """
     from orchestrator.encoder.onnx_export import (
-        GRAPH_VERSION,
         META_ENCODER_ID,
+        describe,
+        export_cache_key,
         export_vision_encoder,
+        read_metadata,
     )
+    from orchestrator.families import family_for
 
-    digest = hashlib.sha256(f"graph-{GRAPH_VERSION}".encode())
-    for name in ("config.json", "model.safetensors"):
-        path = topology.model / name
-        if path.exists():
-            digest.update(path.read_bytes())
-    out = cache_dir / f"vision_encoder-{digest.hexdigest()[:16]}.onnx"
-    if not out.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp.onnx")
-        export_vision_encoder(topology.model, tmp)
-        tmp.replace(out)
-    meta = {p.key: p.value for p in onnx.load(out, load_external_data=False).metadata_props}
-    return out, meta[META_ENCODER_ID]
+    target = topology.encoder.runtime
+    key = export_cache_key(family_for(topology.model), target, cache_dir / "weight-digests.json")
+    out = cache_dir / f"vision_encoder-{key[:16]}" / "model.onnx"
+    cached = out.exists()
+    if not cached:
+        tmp = out.parent.with_name(out.parent.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_vision_encoder(topology.model, tmp / out.name, target=target, progress=progress)
+        shutil.rmtree(out.parent, ignore_errors=True)
+        tmp.replace(out.parent)
+    if progress:
+        print(f"vision encoder{' (cached)' if cached else ''}: {describe(out)}", flush=True)
+    return out, read_metadata(out)[META_ENCODER_ID]
 
 
-def _vision_encoder(topology: Topology, model_dir: Path, out_dir: Path) -> dict[str, str]:
+def _vision_encoder(
+    topology: Topology, model_dir: Path, out_dir: Path, progress: bool
+) -> dict[str, str]:
     """Put the encoder artifact in place; return parameters for the server's models."""
-    onnx_path, encoder_id = vision_encoder_onnx(topology, out_dir / "artifacts")
+    from orchestrator.encoder.onnx_export import OUTPUT_NAME, onnx_files
+    from orchestrator.families import family_for
+
+    family = family_for(topology.model)
+    onnx_path, encoder_id = vision_encoder_onnx(topology, out_dir / "artifacts", progress)
+    version = model_dir / "1"
     if topology.encoder.runtime == "tensorrt":
         # A plan is specific to the GPU that builds it: `epd encoder build --trt` makes it
         # on the encoder host; here we only declare the TensorRT backend's config.
         shutil.copyfile(
             SOURCE / "vision_encoder" / "config.tensorrt.pbtxt", model_dir / "config.pbtxt"
         )
-        (model_dir / "1" / "model.py").unlink()
+        (version / "model.py").unlink()
         plan = topology.model / "vision_encoder.plan"
         if plan.exists():
-            shutil.copyfile(plan, model_dir / "1" / "model.plan")
+            shutil.copyfile(plan, version / "model.plan")
     else:
-        shutil.copyfile(onnx_path, model_dir / "1" / "model.onnx")
+        for file in onnx_files(onnx_path):  # links: a 2.6 GB tower is not copied per server
+            (version / file.name).symlink_to(file)
+    config = model_dir / "config.pbtxt"
+    config.write_text(config.read_text() + _io_config(family.graph_inputs, OUTPUT_NAME, family))
     return {"encoder_id": encoder_id, "intra_op_threads": str(topology.encoder.threads)}
 
 
-def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
-    """Write ``out_dir/<server>/models`` for every server; return their paths by server."""
+def _io_config(inputs, output: str, family) -> str:
+    """The ``input``/``output`` sections of ``vision_encoder``'s config: the family's graph."""
+    types = {"float32": "TYPE_FP32", "int64": "TYPE_INT64"}
+    rows = ",\n".join(
+        f'  {{ name: "{i.name}", data_type: {types[i.dtype]}, dims: {list(i.dims)} }}'
+        for i in inputs
+    )
+    return (
+        f"input [\n{rows}\n]\n"
+        f'output [\n  {{ name: "{output}", data_type: TYPE_FP32, '
+        f"dims: [-1, {family.hidden_size}] }}\n]\n"
+    )
+
+
+def render(topology: Topology, out_dir: Path, progress: bool = False) -> dict[str, Path]:
+    """Write ``out_dir/<server>/models`` for every server; return their paths by server.
+    ``progress``: show the encoder export's progress and say where it went."""
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     topology_file = out_dir / "topology.json"
@@ -110,7 +143,7 @@ def render(topology: Topology, out_dir: Path) -> dict[str, Path]:
                 (repo / role / "1" / "model.json").write_text(args + "\n")
         params = {"topology": str(topology_file), "server": name}
         if "encode" in server.stages:
-            params.update(_vision_encoder(topology, repo / "vision_encoder", out_dir))
+            params.update(_vision_encoder(topology, repo / "vision_encoder", out_dir, progress))
         for config in repo.glob("*/config.pbtxt"):
             text = config.read_text()
             count = server.instances.get(config.parent.name)

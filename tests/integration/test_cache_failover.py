@@ -169,7 +169,7 @@ def test_same_pixels_in_another_encoding_hit_the_cache(stack):
     [handle] = _encode_directly(stack.topology, "enc1", [png.getvalue()])["handles"]
     assert encoder_passes(enc1) == passes
     assert cache_metrics(enc1)["hits"] == hits + 1
-    assert handle["image_grid_thw"] == [1, 12, 16]
+    assert handle["grid_thw"] == [1, 12, 16]
 
 
 def _encode_directly(topology: Topology, server: str, images: list[bytes]) -> dict:

@@ -41,20 +41,21 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(epd_stack: Topology, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Offline ``vllm.LLM.generate`` texts for every case, computed in a subprocess."""
-    tmp = tmp_path_factory.mktemp("reference")
-    (tmp / "topology.json").write_text(epd_stack.model_dump_json())
-    cases = {
+def offline_reference(
+    topology: Topology, cases: dict[str, tuple[str, list[bytes]]], max_tokens: int, tmp: Path
+) -> dict[str, str]:
+    """Offline ``vllm.LLM.generate`` texts for ``cases``, computed in a subprocess (vLLM and
+    NIXL are not fork-safe and heavy in the pytest process)."""
+    (tmp / "topology.json").write_text(topology.model_dump_json())
+    payload = {
         name: {
             "text": text,
             "images": [base64.b64encode(i).decode() for i in images],
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
         }
-        for name, (text, images) in CASES.items()
+        for name, (text, images) in cases.items()
     }
-    (tmp / "cases.json").write_text(json.dumps(cases))
+    (tmp / "cases.json").write_text(json.dumps(payload))
     proc = subprocess.run(
         [
             sys.executable,
@@ -72,6 +73,12 @@ def reference(epd_stack: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
     texts = json.loads(lines[-1].removeprefix("REFERENCE "))
     assert all(texts.values()), f"offline vLLM produced empty text: {texts}"
     return texts
+
+
+@pytest.fixture(scope="module")
+def reference(epd_stack: Topology, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Offline ``vllm.LLM.generate`` texts for every case."""
+    return offline_reference(epd_stack, CASES, MAX_TOKENS, tmp_path_factory.mktemp("reference"))
 
 
 def _front(topology: Topology):
@@ -178,10 +185,12 @@ def test_bad_input_is_invalid_arg_and_server_stays_up(epd_stack, model, case):
 def test_same_size_images_never_share_kv(epd_stack, reference):
     """coffee and chelsea have one patch grid. Decode sees only grids, so unless requests
     carry the images' content hashes vLLM's prefix cache hands chelsea coffee's KV."""
-    from orchestrator.encoder.preprocess import PreprocessConfig, decode_image, preprocess
+    from orchestrator.encoder.preprocess import decode_image
+    from orchestrator.families import family_for
 
-    config = PreprocessConfig.from_model_dir(epd_stack.model)
-    grids = {preprocess(decode_image(CASES[c][1][0]), config)[1] for c in ("coffee_png", "chelsea")}
+    family = family_for(epd_stack.model)
+    images = [decode_image(CASES[c][1][0]) for c in ("coffee_png", "chelsea")]
+    grids = {family.image_layout(i.width, i.height).grid_thw for i in images}
     assert len(grids) == 1, "the two photos must share a grid for this test to mean anything"
     for case in ("coffee_png", "chelsea", "coffee_png", "chelsea"):
         text, images = CASES[case]

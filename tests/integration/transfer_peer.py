@@ -41,7 +41,7 @@ def serve_producer(kind: str, cfg: dict) -> None:
     def put(spec: dict) -> dict:
         arr = make_array(spec["seed"], spec["rows"], spec["cols"], spec["dtype"])
         try:
-            handle = producer.put(arr, image_grid_thw=(1, 2, 2), content_hash=key(spec))
+            handle = producer.put(arr, content_hash=key(spec))
         except PoolFullError as exc:
             return {"error": str(exc)}
         return {"handle": handle.model_dump(mode="json"), "sha256": sha256(arr)}

@@ -11,8 +11,6 @@ from orchestrator.cache import EntryTable
 from orchestrator.metrics import Histogram
 from orchestrator.transfer import PoolFullError, make_producer
 
-GRID = (1, 2, 2)
-
 
 def _embeds(seed: int, rows: int = 4) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, 6)).astype(np.float32)
@@ -61,13 +59,13 @@ def test_cache_off_frees_at_last_unpin_and_never_hits():
 def test_producer_answers_repeats_from_cache_and_evicts_within_budget():
     size = -(-4 * 6 * 4 // 3) * 4  # base64 of 4x6 float32
     producer = make_producer("inline", pool_bytes=2 * size)
-    first = producer.put(_embeds(1), image_grid_thw=GRID, content_hash="one")
+    first = producer.put(_embeds(1), content_hash="one")
     hit = producer.lookup("one")
     assert hit is not None and hit.handle_id != first.handle_id
     assert hit.location == first.location and hit.content_hash == "one"
-    producer.put(_embeds(2), image_grid_thw=GRID, content_hash="two")
+    producer.put(_embeds(2), content_hash="two")
     producer.lookup("one")  # "two" is now least recently used
-    producer.put(_embeds(3), image_grid_thw=GRID, content_hash="three")
+    producer.put(_embeds(3), content_hash="three")
     assert producer.lookup("two") is None and producer.lookup("one") is not None
     stats = producer.stats()
     assert (stats.entries, stats.evictions, stats.hits, stats.misses) == (2, 1, 3, 1)
@@ -76,20 +74,20 @@ def test_producer_answers_repeats_from_cache_and_evicts_within_budget():
 
 def test_producer_put_of_a_cached_image_reuses_the_entry():
     producer = make_producer("inline")
-    a = producer.put(_embeds(1), image_grid_thw=GRID, content_hash="same")
-    b = producer.put(_embeds(1), image_grid_thw=GRID, content_hash="same")
+    a = producer.put(_embeds(1), content_hash="same")
+    b = producer.put(_embeds(1), content_hash="same")
     assert a.location == b.location and producer.stats().entries == 1
 
 
 def test_producer_refuses_an_embedding_bigger_than_the_budget():
     producer = make_producer("inline", pool_bytes=64)
     with pytest.raises(ValueError, match="exceeds the cache budget"):
-        producer.put(_embeds(1, rows=8), image_grid_thw=GRID, content_hash="big")
+        producer.put(_embeds(1, rows=8), content_hash="big")
 
 
 def test_producer_with_cache_off_keeps_nothing():
     producer = make_producer("inline", cache=False)
-    handle = producer.put(_embeds(1), image_grid_thw=GRID, content_hash="x")
+    handle = producer.put(_embeds(1), content_hash="x")
     assert handle.location.data_b64
     assert producer.lookup("x") is None
     stats = producer.stats()

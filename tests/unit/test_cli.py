@@ -20,7 +20,7 @@ def test_encoder_export_writes_onnx_with_identity(tiny_model: Path, tmp_path: Pa
     out = tmp_path / "vision.onnx"
     assert main(["encoder", "export", str(tiny_model), str(out)]) == 0
     meta = {p.key: p.value for p in onnx.load(out, load_external_data=False).metadata_props}
-    assert meta["epd.encoder_id"].startswith("qwen2vl-vision-")
+    assert meta["epd.encoder_id"].startswith("qwen2_vl-vision-")
 
 
 def test_invalid_topology_file_is_one_clear_line(tmp_path: Path):

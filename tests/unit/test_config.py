@@ -160,7 +160,7 @@ def test_per_server_engine_args_and_instances_are_rendered(tiny_model: Path, tmp
 
 def test_engines_serve_the_model_context_unless_the_topology_caps_it(tiny_model: Path):
     from orchestrator.llm import engine_args
-    from orchestrator.model.tiny import _PROFILES
+    from orchestrator.model.build import _PROFILES
 
     topo = default_topology(tiny_model)
     assert engine_args(topo, "prefill", "prefill")["max_model_len"] == 2048

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from orchestrator.encoder.onnx_export import INPUT_NAMES, OUTPUT_NAME
+from orchestrator.encoder.onnx_export import OUTPUT_NAME
 from orchestrator.encoder.runtime import OnnxRuntimeEncoder
 
 
@@ -19,9 +19,12 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            feeds = [pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in INPUT_NAMES]
+            feeds = {
+                name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                for name in self.encoder.input_names
+            }
             try:
-                embeds = self.encoder.run_graph(*feeds)
+                embeds = self.encoder.run(feeds)
                 out = pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT_NAME, embeds)])
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 out = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"INTERNAL: {exc}"))

@@ -1,0 +1,68 @@
+"""Every supported family, from a checkpoint laid out as a hub download (bf16 shards, index,
+processor files), served by the whole stack: ``epd`` (E -> P -> D over NIXL) equals the
+``aggregated`` engine equals plain offline vLLM, token for token (fp32 compute), on a real
+photo, two images, odd sizes and a text-only request."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+from PIL import Image
+
+from orchestrator.client import sample_photo, stream
+from orchestrator.config import Topology
+from tests.conftest import EPD_LAYOUT, FAMILIES, local_topology, running_stack, wait_unpinned
+from tests.integration.test_epd_e2e import offline_reference
+
+pytestmark = pytest.mark.server
+
+
+def _png(name: str, size: tuple[int, int] | None = None) -> bytes:
+    image = Image.open(io.BytesIO(sample_photo(name)))
+    if size is not None:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+CASES = {
+    "photo": ("Describe this image.", [sample_photo("astronaut")]),
+    "two_images": ("Compare these two pictures.", [sample_photo("chelsea"), _png("coffee")]),
+    "tiny_12x9": ("What is in this picture?", [_png("chelsea", (12, 9))]),
+    "strip_900x40": ("What is shown here?", [_png("coffee", (900, 40))]),
+    "text_only": ("Tell me a story about a robot.", []),
+}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_stack(
+    request: pytest.FixtureRequest, hub_checkpoint, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Topology]:
+    topology = local_topology(hub_checkpoint(request.param), EPD_LAYOUT)
+    yield from running_stack(topology, tmp_path_factory.mktemp(f"stack-{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def reference(family_stack: Topology, tmp_path_factory) -> dict[str, str]:
+    return offline_reference(family_stack, CASES, MAX_TOKENS, tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_epd_equals_aggregated_equals_offline_vllm(family_stack, reference, case):
+    text, images = CASES[case]
+    front = family_stack.server_of("epd")[1]
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    epd = "".join(stream(front.grpc_url, "epd", text, images, sampling))
+    aggregated = "".join(stream(front.grpc_url, "aggregated", text, images, sampling))
+    assert epd == aggregated == reference[case]
+
+
+def test_the_comparison_can_fail(family_stack, reference):
+    """Different requests give different greedy text, and every handle was pulled."""
+    assert len(set(reference.values())) == len(reference)
+    stats = wait_unpinned(family_stack.server_of("encode")[1])
+    assert stats["pinned_handles"] == 0, stats
