@@ -25,6 +25,7 @@ from orchestrator.protocol import (
     InvalidRequest,
     PrefillRequest,
     PrefillResult,
+    ReleaseRequest,
     StageError,
     Unavailable,
     from_tensor,
@@ -82,14 +83,14 @@ class EncodeHandler:
     async def create(cls, ctx: ModelContext) -> EncodeHandler:
         return cls(ctx)
 
-    def _prepare(self, i: int, data: bytes) -> tuple[Any, str]:
+    def _prepare(self, which: str, data: bytes) -> tuple[Any, str]:
         from orchestrator.encoder.preprocess import content_hash, decode_image
 
         try:
             image = decode_image(data)
             self.family.image_layout(image.width, image.height)  # beyond the family's limits
         except ValueError as exc:
-            raise InvalidRequest(f"image {i}: {exc}") from None
+            raise InvalidRequest(f"{which}{exc}") from None
         return image, content_hash(image, self.preprocessing, self.encoder_id)
 
     async def _encode(self, image: Any, digest: str) -> EmbeddingHandle:
@@ -137,12 +138,21 @@ class EncodeHandler:
             del self._encoding[digest]
 
     async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+        if "release" in inputs:  # a request ended before its handles were pulled
+            for handle_id in from_tensor(inputs, "release", ReleaseRequest).handle_ids:
+                self.producer.release(handle_id)
+            yield to_tensor("handles", EncodeResult(handles=[]))
+            return
+        if "image" not in inputs:
+            raise InvalidRequest("encode needs 'image' (or 'release')")
         images = inputs["image"].reshape(-1)
         handles: list[EmbeddingHandle] = []
         loop = asyncio.get_running_loop()
         try:
             for i, data in enumerate(images):
-                image, digest = await loop.run_in_executor(None, self._prepare, i, bytes(data))
+                # One image per call from the front, which names it in the whole request.
+                which = f"image {i}: " if len(images) > 1 else ""
+                image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
                 handles.append(await self._handle(image, digest))
         except BaseException:
             for handle in handles:  # nobody will pull these
@@ -319,7 +329,7 @@ class AggregatedHandler:
                 images.append(decode_image(data))
                 tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
-                raise InvalidRequest(f"image {i}: {exc}") from None
+                raise InvalidRequest(f"image {i + 1} of {len(request.images)}: {exc}") from None
         text = self.prompts.build(request.text, len(images))
         self.prompts.check_budget(text, tokens, request.sampling.max_tokens)
         prompt: dict[str, Any] = {"prompt": text}

@@ -23,8 +23,10 @@ from orchestrator.protocol import (
     DecodeRequest,
     EmbeddingHandle,
     EncodeResult,
+    InvalidRequest,
     PrefillRequest,
     PrefillResult,
+    ReleaseRequest,
     StageUnreachable,
     Unavailable,
     from_tensor,
@@ -119,23 +121,28 @@ class EPDPipeline:
 
         handles, holders = await self._encode_all(request.images)
         encoded = time.perf_counter()
-        self.prompts.check_budget(
-            prompt, [h.shape[0] for h in handles], request.sampling.max_tokens
-        )
         try:
-            result = await self._prefill(request_id, prompt, handles)
-        except Unavailable as exc:
-            if not handles or isinstance(exc, StageUnreachable):
-                raise
-            # Prefill is up but could not pull the embeddings: find out which encoders are
-            # gone, then encode again (elsewhere if need be) and retry once.
-            log.warning("request %s: prefill could not pull embeddings (%s)", request_id, exc)
-            route = self.routes["encode"]
-            for name in set(holders):
-                if not await route.probe(name, self.routing.probe_timeout_s):
-                    self.reuse.forget_server(name)
-            handles, holders = await self._encode_all(request.images)
-            result = await self._prefill(request_id, prompt, handles)
+            image_tokens = [h.layout.tokens for h in handles]
+            self.prompts.check_budget(prompt, image_tokens, request.sampling.max_tokens)
+            try:
+                result = await self._prefill(request_id, prompt, handles)
+            except Unavailable as exc:
+                if not handles or isinstance(exc, StageUnreachable):
+                    raise
+                # Prefill is up but could not pull the embeddings: find out which encoders
+                # are gone, then encode again (elsewhere if need be) and retry once.
+                log.warning("request %s: prefill could not pull embeddings (%s)", request_id, exc)
+                route = self.routes["encode"]
+                for name in set(holders):
+                    if not await route.probe(name, self.routing.probe_timeout_s):
+                        self.reuse.forget_server(name)
+                await self._release(handles, holders)
+                handles, holders = await self._encode_all(request.images)
+                result = await self._prefill(request_id, prompt, handles)
+        except BaseException:
+            # Whatever prefill did not pull would stay pinned until its TTL otherwise.
+            await self._release(handles, holders)
+            raise
         prefilled = time.perf_counter()
         self.seconds["encode"].observe(encoded - start)
         self.seconds["prefill"].observe(prefilled - encoded)
@@ -166,11 +173,45 @@ class EPDPipeline:
         self.seconds["request"].observe(time.perf_counter() - start)
 
     async def _encode_all(self, images: list[bytes]) -> tuple[list[EmbeddingHandle], list[str]]:
-        """One handle per image (encoded in parallel) and the encoder that holds each."""
-        done = await asyncio.gather(*(self._encode_one(image) for image in images))
-        return [handle for handle, _ in done], [name for _, name in done]
+        """One handle per image (encoded in parallel) and the encoder that holds each; if
+        any image fails, the others' handles are released before the error is raised."""
+        done = await asyncio.gather(
+            *(
+                self._encode_one(image, f"image {i + 1} of {len(images)}")
+                for i, image in enumerate(images)
+            ),
+            return_exceptions=True,
+        )
+        ok = [d for d in done if not isinstance(d, BaseException)]
+        if len(ok) < len(done):
+            await self._release([h for h, _ in ok], [n for _, n in ok])
+            raise next(d for d in done if isinstance(d, BaseException))
+        return [handle for handle, _ in ok], [name for _, name in ok]
 
-    async def _encode_one(self, image: bytes) -> tuple[EmbeddingHandle, str]:
+    async def _release(self, handles: list[EmbeddingHandle], holders: list[str]) -> None:
+        """Unpin handles at their encoders now (best effort: a dead encoder's pins die with
+        it, and TTL stays the backstop). Ids already pulled are ignored there."""
+        by_server: dict[str, list[str]] = {}
+        for handle, name in zip(handles, holders, strict=True):
+            by_server.setdefault(name, []).append(handle.handle_id)
+
+        async def release(name: str, ids: list[str]) -> None:
+            message = to_tensor("release", ReleaseRequest(handle_ids=ids))
+            try:
+                await self.routes["encode"].targets[name].call_one("encode", message, ["handles"])
+            except Exception as exc:  # noqa: BLE001 - logged; the request's own error wins
+                log.warning("release of %d handle(s) on %s failed: %s", len(ids), name, exc)
+
+        await asyncio.gather(*(release(name, ids) for name, ids in by_server.items()))
+
+    async def _encode_one(self, image: bytes, which: str) -> tuple[EmbeddingHandle, str]:
+        """Encode one image; a bad image is ``InvalidRequest`` naming it (``which``)."""
+        try:
+            return await self._encode_on_some_encoder(image)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{which}: {exc}") from None
+
+    async def _encode_on_some_encoder(self, image: bytes) -> tuple[EmbeddingHandle, str]:
         route = self.routes["encode"]
         key = hashlib.sha256(image).hexdigest()  # cheap; the encoder keys by decoded pixels
         tried: list[str] = []

@@ -98,6 +98,13 @@ class EncodeResult(_Wire):
     handles: list[EmbeddingHandle]
 
 
+class ReleaseRequest(_Wire):
+    """Front -> encoder: handles whose request ended before prefill pulled them (a sibling
+    image failed, the prompt did not fit, prefill failed): unpin them now, not at TTL."""
+
+    handle_ids: list[str] = Field(max_length=1024)
+
+
 class PrefillResult(_Wire):
     """What the ``prefill`` model answers: vLLM's params that let decode pull the KV."""
 

@@ -42,8 +42,10 @@ async def _run(plan: LoadPlan, model: Path) -> list[RunResult]:
         sample = Sample(request.kind, time.perf_counter())
         try:
             images = [decode_image(data) for data in request.images]
-            prompt = prompts.build(request.text, len(images))
-            async for out in engine.generate(prompt, images or None, sampling):
+            prompt = {"prompt": prompts.build(request.text, len(images))}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            async for out in engine.generate(prompt, sampling):
                 if out.outputs[0].text:
                     sample.piece_times.append(time.perf_counter() - sample.start)
                     sample.text += out.outputs[0].text

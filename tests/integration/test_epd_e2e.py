@@ -19,7 +19,7 @@ from PIL import Image
 
 from orchestrator.client import generate_body, sample_photo, stream
 from orchestrator.config import Topology
-from tests.conftest import wait_unpinned
+from tests.conftest import cache_metrics, wait_unpinned
 
 pytestmark = pytest.mark.server
 
@@ -150,10 +150,37 @@ def _raw_generate(topology: Topology, model: str, body: dict) -> tuple[int, str]
         return err.code, err.read().decode()
 
 
+def _png_of_size(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 30, 200)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 _JPEG = sample_photo("astronaut")
 BAD_INPUTS = {
-    "corrupt_image": ({"image": [base64.b64encode(_JPEG[: len(_JPEG) // 3]).decode()]}, "image 0"),
-    "not_an_image": ({"image": [base64.b64encode(b"hello, not a picture").decode()]}, "image 0"),
+    "corrupt_image": (
+        {"image": [base64.b64encode(_JPEG[: len(_JPEG) // 3]).decode()]},
+        "image 1 of 1: ",
+    ),
+    "not_an_image": (
+        {"image": [base64.b64encode(b"hello, not a picture").decode()]},
+        "image 1 of 1: ",
+    ),
+    "second_of_two_corrupt": (
+        {"image": [base64.b64encode(_JPEG).decode(), base64.b64encode(_JPEG[:999]).decode()]},
+        "image 2 of 2: ",
+    ),
+    "context_overflow_after_encode": (
+        {
+            "image": [base64.b64encode(_JPEG).decode()],
+            "sampling_parameters": json.dumps({"max_tokens": 2000}),
+        },
+        "exceeds the model's context",
+    ),
+    "beyond_the_family_s_limits": (
+        {"image": [base64.b64encode(_png_of_size(402, 2)).decode()]},
+        "image 1 of 1: aspect ratio 201.0 exceeds 200",
+    ),
     "empty_text": ({"text_input": "   "}, "text_input is empty"),
     "missing_text": ({"text_input": None}, "text_input"),
     "bad_json": ({"sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
@@ -180,6 +207,9 @@ def test_bad_input_is_invalid_arg_and_server_stays_up(epd_stack, model, case):
         epd_stack, model, {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 2})}
     )
     assert ok_status == 200, ok
+    if model == "epd":  # a request that fails after encoding releases its handles at once
+        stats = cache_metrics(epd_stack.server_of("encode")[1])
+        assert stats["pinned_handles"] == 0, stats
 
 
 def test_same_size_images_never_share_kv(epd_stack, reference):
