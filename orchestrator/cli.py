@@ -282,6 +282,22 @@ def _add_load_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--out", default=out, help="JSON report path")
 
 
+def cmd_bench_encoder(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator.bench import encoder
+
+    sides = [int(s) for s in args.sizes.split(",")]
+    report = encoder.run(Path(args.workdir), sides, args.threads, args.repeats)
+    report["command"] = " ".join(sys.argv)
+    print(encoder.summary(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     from orchestrator.bench import transfer
 
@@ -428,6 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     xfer = bench.add_parser("transfer", help="embedding fetch per transport vs same-host memcpy")
     transfer_bench.add_arguments(xfer)
     xfer.set_defaults(func=cmd_bench_transfer)
+    enc = bench.add_parser(
+        "encoder", help="a real-size tower (Qwen2.5-VL-7B vision): export, ORT vs torch per image"
+    )
+    enc.add_argument("--sizes", default="448,1344", help="square image sides in pixels")
+    enc.add_argument("--threads", type=int, default=2, help="threads for both runtimes")
+    enc.add_argument("--repeats", type=int, default=2, help="timed passes per size")
+    enc.add_argument("--workdir", default=".cache/bench/encoder", help="checkpoint + export")
+    enc.add_argument("--out", default=".cache/bench/encoder.json", help="JSON report path")
+    enc.set_defaults(func=cmd_bench_encoder)
     rep = bench.add_parser("report", help="Markdown + plots from benchmark JSON files")
     rep.add_argument("runs", nargs="+", help="JSON from `bench run` / `ab` / `perf-analyzer`")
     rep.add_argument("--cache", help="JSON from `epd bench cache`")
