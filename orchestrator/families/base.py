@@ -32,6 +32,10 @@ GraphTarget = Literal["onnxruntime", "tensorrt"]
 """Which runtime an export is for: ONNX Runtime gets its fused (flash) attention kernel,
 TensorRT plain ONNX ops that its builder fuses itself."""
 
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+"""The normalisation CLIP (and so Qwen2-VL, Qwen2.5-VL and LLaVA) processors default to."""
+
 EMBEDDING_BYTES = 4
 """Embeddings travel as float32 (the exported graph's output)."""
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orchestrator.families.base import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
     EncoderInput,
     GraphInput,
     GraphTarget,
@@ -37,9 +39,6 @@ from orchestrator.families.base import (
 
 if TYPE_CHECKING:
     from PIL import Image
-
-_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,8 @@ class ClipImageSettings:
             shortest_edge=int(shortest) if shortest is not None else None,
             size=None if shortest is not None else (int(size["height"]), int(size["width"])),
             crop=(int(crop["height"]), int(crop["width"])) if raw.get("do_center_crop") else None,
-            image_mean=tuple(float(v) for v in raw.get("image_mean", _OPENAI_CLIP_MEAN)),
-            image_std=tuple(float(v) for v in raw.get("image_std", _OPENAI_CLIP_STD)),
+            image_mean=tuple(float(v) for v in raw.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=tuple(float(v) for v in raw.get("image_std", OPENAI_CLIP_STD)),
             resample=int(raw.get("resample", 3)),
             rescale_factor=float(raw.get("rescale_factor", 1 / 255)),
         )

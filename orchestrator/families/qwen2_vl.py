@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orchestrator.families.base import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
     EncoderInput,
     GraphInput,
     GraphTarget,
@@ -30,8 +32,6 @@ from orchestrator.families.base import (
 if TYPE_CHECKING:
     from PIL import Image
 
-_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 """HF's limit on max(h, w) / min(h, w)."""
 
@@ -45,8 +45,8 @@ class QwenImageSettings:
     temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
-    image_mean: tuple[float, ...] = _OPENAI_CLIP_MEAN
-    image_std: tuple[float, ...] = _OPENAI_CLIP_STD
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
     resample: int = 3  # PIL bicubic
     rescale_factor: float = 1 / 255
 
@@ -82,8 +82,8 @@ class QwenImageSettings:
                 or size.get("max_pixels")
                 or default.max_pixels
             ),
-            image_mean=tuple(float(v) for v in raw.get("image_mean", _OPENAI_CLIP_MEAN)),
-            image_std=tuple(float(v) for v in raw.get("image_std", _OPENAI_CLIP_STD)),
+            image_mean=tuple(float(v) for v in raw.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=tuple(float(v) for v in raw.get("image_std", OPENAI_CLIP_STD)),
             resample=int(raw.get("resample", default.resample)),
             rescale_factor=float(raw.get("rescale_factor", default.rescale_factor)),
         )

@@ -312,6 +312,20 @@ def _qwen2_vl(spec: _Spec) -> _Built:
     return model, processor, _qwen_generation()
 
 
+def _small_tower(spec: _Spec, **family_settings: Any) -> dict[str, Any]:
+    """The vision config of the newer Qwen families' test towers: 64 wide, 2 heads."""
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": spec.text_hidden,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": VISION_INIT_STD,
+        **family_settings,
+    }
+
+
 def _qwen2_5_vl(spec: _Spec) -> _Built:
     """Four vision blocks, two windowed and two full (as 7B's 32 blocks: full every 8th)."""
     from transformers import (
@@ -323,19 +337,9 @@ def _qwen2_5_vl(spec: _Spec) -> _Built:
 
     config = Qwen2_5_VLConfig(
         text_config=_qwen_text_config(spec),
-        vision_config={
-            "depth": 4,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "out_hidden_size": spec.text_hidden,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1, 3],
-            "initializer_range": VISION_INIT_STD,
-        },
+        vision_config=_small_tower(
+            spec, depth=4, patch_size=14, window_size=112, fullatt_block_indexes=[1, 3]
+        ),
         **_QWEN_TOKENS,
     )
     processor = _qwen_processor(
@@ -359,19 +363,13 @@ def _qwen3_vl(spec: _Spec) -> _Built:
     text.update(head_dim=spec.text_hidden // spec.text_heads, rms_norm_eps=1e-6)
     config = Qwen3VLConfig(
         text_config=text,
-        vision_config={
-            "depth": 3,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "out_hidden_size": spec.text_hidden,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1],
-            "initializer_range": VISION_INIT_STD,
-        },
+        vision_config=_small_tower(
+            spec,
+            depth=3,
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
         **_QWEN_TOKENS,
     )
     processor = _qwen_processor(
