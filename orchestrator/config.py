@@ -170,6 +170,13 @@ class Limits(_Spec):
     """More images than this is ``INVALID_ARG`` (also vLLM's ``limit_mm_per_prompt``)."""
     max_image_bytes: int = Field(default=20 << 20, gt=0)
     """Encoded size cap of one image."""
+    max_image_pixels: int = Field(default=40_000_000, gt=0)
+    """Decoded size cap of one image (width x height from its header, checked at the edge
+    and again by the encoder before decoding): decompression bombs stop here."""
+    max_text_bytes: int = Field(default=1 << 20, gt=0)
+    """Size cap of ``text_input`` (UTF-8 bytes)."""
+    max_request_bytes: int = Field(default=64 << 20, gt=0)
+    """Cap of text plus all images of one request."""
     stage_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one remote stage call; past it the request fails instead of hanging."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.config import Limits, Topology
+from orchestrator.encoder.preprocess import open_image
 from orchestrator.llm import LLMRole, engine_args
 from orchestrator.protocol import InvalidRequest, SamplingOptions
 
@@ -50,23 +51,39 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         raise InvalidRequest("text_input is not valid UTF-8") from None
     if not text.strip():
         raise InvalidRequest("text_input is empty")
-
-    images: list[bytes] = []
-    if "image" in inputs:
-        for i, item in enumerate(inputs["image"].reshape(-1)):
-            data = item if isinstance(item, bytes) else str(item).encode()
-            if not data:
-                raise InvalidRequest(f"image {i} is empty")
-            if len(data) > limits.max_image_bytes:
-                raise InvalidRequest(
-                    f"image {i} is {len(data)} bytes; the limit is {limits.max_image_bytes}"
-                )
-            images.append(data)
-    if len(images) > limits.max_images_per_request:
+    if len(raw_text) > limits.max_text_bytes:
         raise InvalidRequest(
-            f"{len(images)} images sent; this deployment accepts at most "
+            f"text_input is {len(raw_text)} bytes; the limit is {limits.max_text_bytes}"
+        )
+
+    items = inputs["image"].reshape(-1) if "image" in inputs else []
+    if len(items) > limits.max_images_per_request:
+        raise InvalidRequest(
+            f"{len(items)} images sent; this deployment accepts at most "
             f"{limits.max_images_per_request} per request"
         )
+    images: list[bytes] = []
+    total = len(raw_text)
+    for i, item in enumerate(items):
+        which = f"image {i + 1} of {len(items)}"
+        data = item if isinstance(item, bytes) else str(item).encode()
+        if not data:
+            raise InvalidRequest(f"{which} is empty")
+        if len(data) > limits.max_image_bytes:
+            raise InvalidRequest(
+                f"{which} is {len(data)} bytes; the limit is {limits.max_image_bytes}"
+            )
+        total += len(data)
+        if total > limits.max_request_bytes:
+            raise InvalidRequest(
+                f"request is over {limits.max_request_bytes} bytes at {which} "
+                "(text and images together)"
+            )
+        try:
+            open_image(data, limits.max_image_pixels)  # header only: format and size
+        except ValueError as exc:
+            raise InvalidRequest(f"{which}: {exc}") from None
+        images.append(data)
 
     sampling = SamplingOptions.parse(_scalar_bytes(inputs, "sampling_parameters"))
     stream = False

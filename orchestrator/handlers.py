@@ -58,6 +58,7 @@ class EncodeHandler:
         self.family = family_for(topo.model)
         self.preprocessing = self.family.preprocess_fingerprint()
         self.encoder_id = ctx.params["encoder_id"]
+        self.max_image_pixels = topo.limits.max_image_pixels
         self.full_wait_s = spec.full_wait_s
         self.bls = BlsInfer(ctx.pb_utils, topo.limits.stage_timeout_s)
         self.producer = make_producer(
@@ -87,7 +88,7 @@ class EncodeHandler:
         from orchestrator.encoder.preprocess import content_hash, decode_image
 
         try:
-            image = decode_image(data)
+            image = decode_image(data, self.max_image_pixels)
             self.family.image_layout(image.width, image.height)  # beyond the family's limits
         except ValueError as exc:
             raise InvalidRequest(f"{which}{exc}") from None
@@ -326,7 +327,7 @@ class AggregatedHandler:
         images, tokens = [], []
         for i, data in enumerate(request.images):
             try:
-                images.append(decode_image(data))
+                images.append(decode_image(data, self.limits.max_image_pixels))
                 tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
                 raise InvalidRequest(f"image {i + 1} of {len(request.images)}: {exc}") from None

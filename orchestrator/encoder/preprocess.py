@@ -32,16 +32,7 @@ def decode_image(data: bytes | str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) 
     Raises ``ValueError`` for anything that is not a well-formed image of an allowed format or
     whose header claims more than ``max_pixels`` pixels.
     """
-    raw = _as_image_bytes(data)
-    try:
-        img = Image.open(io.BytesIO(raw), formats=ALLOWED_FORMATS)
-    except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"not a decodable {'/'.join(ALLOWED_FORMATS)} image: {e}") from e
-    width, height = img.size
-    if width <= 0 or height <= 0 or width * height > max_pixels:
-        raise ValueError(
-            f"image is {width}x{height} = {width * height} pixels, limit is {max_pixels}"
-        )
+    img = open_image(data, max_pixels)
     try:
         img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -50,6 +41,22 @@ def decode_image(data: bytes | str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) 
     with contextlib.suppress(Exception):
         img = ImageOps.exif_transpose(img)
     return _to_rgb(img)
+
+
+def open_image(data: bytes | str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image with only its header read: format and size checked, pixels not decoded
+    (cheap enough for the public edge to refuse a decompression bomb before any stage)."""
+    raw = _as_image_bytes(data)
+    try:
+        img = Image.open(io.BytesIO(raw), formats=ALLOWED_FORMATS)
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"not a decodable {'/'.join(ALLOWED_FORMATS)} image: {e}") from e
+    width, height = img.size
+    if width <= 0 or height <= 0 or width * height > max_pixels:
+        raise ValueError(
+            f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
+        )
+    return img
 
 
 def _as_image_bytes(data: bytes | str) -> bytes:

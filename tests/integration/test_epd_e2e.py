@@ -7,10 +7,12 @@ import base64
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -156,6 +158,15 @@ def _png_of_size(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
+def _png_bomb() -> bytes:
+    """A small PNG whose header claims 10000x10000 pixels (a decompression bomb: within
+    Pillow's own limit, past this deployment's)."""
+    png = _png_of_size(1, 1)
+    ihdr = b"IHDR" + struct.pack(">II", 10000, 10000) + png[24:29]
+    chunk = struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+    return png[:8] + chunk + png[33:]
+
+
 _JPEG = sample_photo("astronaut")
 BAD_INPUTS = {
     "corrupt_image": (
@@ -181,6 +192,11 @@ BAD_INPUTS = {
         {"image": [base64.b64encode(_png_of_size(402, 2)).decode()]},
         "image 1 of 1: aspect ratio 201.0 exceeds 200",
     ),
+    "pixel_bomb": (
+        {"image": [base64.b64encode(_JPEG).decode(), base64.b64encode(_png_bomb()).decode()]},
+        "image 2 of 2: 10000x10000 = 100000000 pixels exceeds the limit of 40000000",
+    ),
+    "text_too_long": ({"text_input": "x" * ((1 << 20) + 1)}, "text_input is 1048577 bytes"),
     "empty_text": ({"text_input": "   "}, "text_input is empty"),
     "missing_text": ({"text_input": None}, "text_input"),
     "bad_json": ({"sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
