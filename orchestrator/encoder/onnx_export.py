@@ -81,9 +81,8 @@ def export_vision_encoder(
     family = family_for(model_dir)
     out_path = Path(out_path)
     checkpoint = family.checkpoint
-    shards = {file for file in checkpoint.weight_files}
     bar = tqdm(
-        total=len(shards) + 3,
+        total=len(checkpoint.weight_files) + 3,
         desc=f"exporting {family.model_type} vision encoder",
         unit="step",
         file=sys.stderr,
@@ -99,7 +98,7 @@ def export_vision_encoder(
                 bar.update(1)
 
         weights = checkpoint.load(family.vision_prefixes, progress=shards_read)
-        bar.update(len(shards) - bar.n)  # shards without vision weights are not opened
+        bar.update(len(checkpoint.weight_files) - bar.n)  # shards without vision weights
         weights_sha = vision_weights_sha256(weights)
         bar.set_postfix_str("building the graph")
         graph = family.vision_graph(weights, target)

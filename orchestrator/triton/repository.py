@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from orchestrator.config import StageName, Topology
+from orchestrator.families import ModelFamily
 from orchestrator.llm import engine_args
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def _parameters(params: dict[str, str]) -> str:
 
 
 def vision_encoder_onnx(
-    topology: Topology, cache_dir: Path, progress: bool = False
+    topology: Topology, cache_dir: Path, progress: bool = False, family: ModelFamily | None = None
 ) -> tuple[Path, str]:
     """The vision encoder exported to ONNX and its encoder id.
 
@@ -62,7 +63,8 @@ def vision_encoder_onnx(
     from orchestrator.families import family_for
 
     target = topology.encoder.runtime
-    key = export_cache_key(family_for(topology.model), target, cache_dir / "weight-digests.json")
+    family = family or family_for(topology.model)
+    key = export_cache_key(family, target, cache_dir / "weight-digests.json")
     out = cache_dir / f"vision_encoder-{key[:16]}" / "model.onnx"
     cached = out.exists()
     if not cached:
@@ -84,7 +86,7 @@ def _vision_encoder(
     from orchestrator.families import family_for
 
     family = family_for(topology.model)
-    onnx_path, encoder_id = vision_encoder_onnx(topology, out_dir / "artifacts", progress)
+    onnx_path, encoder_id = vision_encoder_onnx(topology, out_dir / "artifacts", progress, family)
     version = model_dir / "1"
     if topology.encoder.runtime == "tensorrt":
         # A plan is specific to the GPU that builds it: `epd encoder build --trt` makes it
@@ -100,16 +102,16 @@ def _vision_encoder(
         for file in onnx_files(onnx_path):  # links: a 2.6 GB tower is not copied per server
             (version / file.name).symlink_to(file)
     config = model_dir / "config.pbtxt"
-    config.write_text(config.read_text() + _io_config(family.graph_inputs, OUTPUT_NAME, family))
+    config.write_text(config.read_text() + _io_config(family, OUTPUT_NAME))
     return {"encoder_id": encoder_id, "intra_op_threads": str(topology.encoder.threads)}
 
 
-def _io_config(inputs, output: str, family) -> str:
+def _io_config(family: ModelFamily, output: str) -> str:
     """The ``input``/``output`` sections of ``vision_encoder``'s config: the family's graph."""
     types = {"float32": "TYPE_FP32", "int64": "TYPE_INT64"}
     rows = ",\n".join(
         f'  {{ name: "{i.name}", data_type: {types[i.dtype]}, dims: {list(i.dims)} }}'
-        for i in inputs
+        for i in family.graph_inputs
     )
     return (
         f"input [\n{rows}\n]\n"
