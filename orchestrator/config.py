@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 StageName = Literal["encode", "prefill", "decode", "epd", "aggregated"]
+PUBLIC_STAGES: frozenset[str] = frozenset({"epd", "aggregated"})
+"""Entry points clients call; every other stage is internal (needs the deployment key)."""
 """Triton models a server can host. ``encode`` brings its ``vision_encoder`` along."""
 
 TransferKind = Literal["nixl", "mooncake", "inline"]
@@ -177,8 +179,14 @@ class Limits(_Spec):
     """Size cap of ``text_input`` (UTF-8 bytes)."""
     max_request_bytes: int = Field(default=64 << 20, gt=0)
     """Cap of text plus all images of one request."""
-    stage_timeout_s: float = Field(default=120.0, gt=0)
-    """Deadline of one remote stage call; past it the request fails instead of hanging."""
+    request_timeout_s: float = Field(default=300.0, gt=0)
+    """Deadline of a whole request, from arrival to its last token. A client may ask for a
+    shorter one with Triton's request ``timeout`` (microseconds); never a longer one. Every
+    stage call gets what is left of it."""
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest wait for the next response of a stage call (an image's encode, prefill, the
+    next decoded token). A request past either timeout fails with ``DEADLINE_EXCEEDED``; the
+    server stays in rotation (only failed health probes take one out)."""
 
 
 class RoutingSpec(_Spec):

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.config import Limits, Topology
-from orchestrator.encoder.preprocess import open_image
+from orchestrator.encoder.preprocess import ImageTooLarge, open_image
 from orchestrator.llm import LLMRole, engine_args
-from orchestrator.protocol import InvalidRequest, SamplingOptions
+from orchestrator.protocol import InvalidRequest, SamplingOptions, TooLarge
 
 Tensors = dict[str, np.ndarray]
 
@@ -28,6 +28,12 @@ class FrontRequest:
     images: list[bytes]
     sampling: SamplingOptions
     stream: bool
+
+
+def bad_image(which: str, exc: ValueError) -> InvalidRequest:
+    """The client error for an image that failed to open or decode, naming it."""
+    kind = TooLarge if isinstance(exc, ImageTooLarge) else InvalidRequest
+    return kind(f"{which}: {exc}" if which else str(exc))
 
 
 def _scalar_bytes(inputs: Tensors, name: str) -> bytes | None:
@@ -52,13 +58,13 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
     if not text.strip():
         raise InvalidRequest("text_input is empty")
     if len(raw_text) > limits.max_text_bytes:
-        raise InvalidRequest(
+        raise TooLarge(
             f"text_input is {len(raw_text)} bytes; the limit is {limits.max_text_bytes}"
         )
 
     items = inputs["image"].reshape(-1) if "image" in inputs else []
     if len(items) > limits.max_images_per_request:
-        raise InvalidRequest(
+        raise TooLarge(
             f"{len(items)} images sent; this deployment accepts at most "
             f"{limits.max_images_per_request} per request"
         )
@@ -70,19 +76,19 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         if not data:
             raise InvalidRequest(f"{which} is empty")
         if len(data) > limits.max_image_bytes:
-            raise InvalidRequest(
+            raise TooLarge(
                 f"{which} is {len(data)} bytes; the limit is {limits.max_image_bytes}"
             )
         total += len(data)
         if total > limits.max_request_bytes:
-            raise InvalidRequest(
+            raise TooLarge(
                 f"request is over {limits.max_request_bytes} bytes at {which} "
                 "(text and images together)"
             )
         try:
             open_image(data, limits.max_image_pixels)  # header only: format and size
         except ValueError as exc:
-            raise InvalidRequest(f"{which}: {exc}") from None
+            raise bad_image(which, exc) from None
         images.append(data)
 
     sampling = SamplingOptions.parse(_scalar_bytes(inputs, "sampling_parameters"))

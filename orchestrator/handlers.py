@@ -7,7 +7,6 @@ Triton plumbing) and raise ``StageError`` subclasses for errors a client should 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,19 +14,22 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.auth import DeploymentKey
 from orchestrator.cache import LocalEmbeddingCache
-from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
+from orchestrator.context import RequestContext
+from orchestrator.frontend import PromptBuilder, bad_image, parse_front_request, text_responses
 from orchestrator.llm import LLMEngine, to_vllm_sampling
 from orchestrator.protocol import (
     DecodeRequest,
     EmbeddingHandle,
     EncodeResult,
     InvalidRequest,
+    Overloaded,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
     StageError,
-    Unavailable,
+    Unauthenticated,
     from_tensor,
     to_tensor,
 )
@@ -60,7 +62,8 @@ class EncodeHandler:
         self.encoder_id = ctx.params["encoder_id"]
         self.max_image_pixels = topo.limits.max_image_pixels
         self.full_wait_s = spec.full_wait_s
-        self.bls = BlsInfer(ctx.pb_utils, topo.limits.stage_timeout_s)
+        self.key = DeploymentKey.from_env()
+        self.bls = BlsInfer(ctx.pb_utils)
         self.producer = make_producer(
             spec.kind,
             pool_bytes=pool_bytes_for(spec.pool_bytes, self.family.max_image_bytes()),
@@ -91,15 +94,16 @@ class EncodeHandler:
             image = decode_image(data, self.max_image_pixels)
             self.family.image_layout(image.width, image.height)  # beyond the family's limits
         except ValueError as exc:
-            raise InvalidRequest(f"{which}{exc}") from None
+            raise bad_image(which, exc) from None
         return image, content_hash(image, self.preprocessing, self.encoder_id)
 
-    async def _encode(self, image: Any, digest: str) -> EmbeddingHandle:
+    async def _encode(self, image: Any, digest: str, ctx: RequestContext) -> EmbeddingHandle:
         """Run the encoder on an image nobody holds; one pass per content hash at a time."""
         loop = asyncio.get_running_loop()
         encoder_input = await loop.run_in_executor(None, self.family.encoder_input, image)
         start = time.perf_counter()
-        out = await self.bls.infer("vision_encoder", encoder_input.feeds, ["image_embeds"])
+        feeds = encoder_input.feeds
+        out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"], ctx)
         self.encode_seconds.observe(time.perf_counter() - start)
         embeds, layout = out["image_embeds"], encoder_input.layout
         if embeds.shape != (layout.tokens, self.family.hidden_size):
@@ -113,32 +117,35 @@ class EncodeHandler:
                 return self.producer.put(embeds, grid_thw=layout.grid_thw, content_hash=digest)
             except PoolFullError as exc:
                 if time.monotonic() >= deadline:
-                    raise Unavailable(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
+                    raise Overloaded(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
             await asyncio.sleep(0.01)
 
-    async def _handle(self, image: Any, digest: str) -> EmbeddingHandle:
+    def _signed(self, handle: EmbeddingHandle) -> EmbeddingHandle:
+        return handle.model_copy(update={"signature": self.key.handle_signature(handle)})
+
+    async def _handle(self, image: Any, digest: str, ctx: RequestContext) -> EmbeddingHandle:
+        """A signed handle to the image's embeddings, encoding them if nobody holds them."""
+        return self._signed(await self._lend(image, digest, ctx))
+
+    async def _lend(self, image: Any, digest: str, ctx: RequestContext) -> EmbeddingHandle:
         while True:
             if (handle := self.producer.lookup(digest)) is not None:
                 return handle
             pending = self._encoding.get(digest)
             if pending is None:
                 break
-            with contextlib.suppress(Exception):  # its failure is its own request's
-                await asyncio.shield(pending)
-        future = asyncio.get_running_loop().create_future()
-        self._encoding[digest] = future
+            # Another request is encoding this image: wait for it, then look again (its
+            # failure or cancellation is its own; we then encode it ourselves).
+            await asyncio.wait([pending])
+        done = asyncio.get_running_loop().create_future()
+        self._encoding[digest] = done
         try:
-            handle = await self._encode(image, digest)
-            future.set_result(None)
-            return handle
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters only use it as a signal
-            raise
+            return await self._encode(image, digest, ctx)
         finally:
             del self._encoding[digest]
+            done.set_result(None)
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         if "release" in inputs:  # a request ended before its handles were pulled
             for handle_id in from_tensor(inputs, "release", ReleaseRequest).handle_ids:
                 self.producer.release(handle_id)
@@ -152,9 +159,9 @@ class EncodeHandler:
         try:
             for i, data in enumerate(images):
                 # One image per call from the front, which names it in the whole request.
-                which = f"image {i}: " if len(images) > 1 else ""
+                which = f"image {i}" if len(images) > 1 else ""
                 image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
-                handles.append(await self._handle(image, digest))
+                handles.append(await self._handle(image, digest, ctx))
         except BaseException:
             for handle in handles:  # nobody will pull these
                 self.producer.release(handle.handle_id)
@@ -174,8 +181,11 @@ class PrefillHandler:
         from orchestrator.metrics import MetricsPublisher
         from orchestrator.transfer import make_consumer
 
-        kind = ctx.topology.transfer.kind
-        self.family = family_for(ctx.topology.model)
+        topo = ctx.topology
+        kind = topo.transfer.kind
+        self.family = family_for(topo.model)
+        self.key = DeploymentKey.from_env()
+        self.encoder_hosts = {topo.servers[name].host for name in topo.servers_of("encode")}
         self.engine = LLMEngine.for_model(ctx, "prefill")
         self.public_host = ctx.topology.servers[ctx.server].host
         self.consumer = make_consumer(kind, host=self.public_host)
@@ -217,6 +227,25 @@ class PrefillHandler:
         self.local.put(handle.content_hash, out)
         return True
 
+    def check_handle(self, handle: EmbeddingHandle) -> None:
+        """Before anything is dialled or allocated: an encoder of this deployment signed
+        the handle, it points at an encoder host of the topology, and its shape is one the
+        family can produce (``Unauthenticated`` / ``InvalidRequest`` otherwise)."""
+        self.key.check_handle_signature(handle, handle.signature)
+        host = handle.location.host
+        if host is not None and host not in self.encoder_hosts:
+            raise Unauthenticated(
+                f"handle {handle.handle_id} points at {host}, which hosts no encoder of this "
+                f"deployment ({sorted(self.encoder_hosts)})"
+            )
+        tokens, width = handle.shape
+        limit = self.family.max_image_tokens()
+        if width != self.family.hidden_size or tokens > limit:
+            raise InvalidRequest(
+                f"handle {handle.handle_id} has shape {list(handle.shape)}; this model's "
+                f"images are at most {limit} tokens of width {self.family.hidden_size}"
+            )
+
     async def _pull(self, handles: list[EmbeddingHandle]) -> np.ndarray:
         """All images' embeddings in one array (vLLM's input), each pulled into its rows."""
         widths = {(h.shape[1], h.dtype) for h in handles}
@@ -233,8 +262,10 @@ class PrefillHandler:
                 self.fetched_bytes += handle.nbytes  # summed on the loop thread only
         return embeds
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
+        for handle in request.handles:
+            self.check_handle(handle)
         prompt: dict[str, Any] = {"prompt": request.prompt}
         if request.handles:
             embeds = await self._pull(request.handles)
@@ -267,6 +298,9 @@ class PrefillHandler:
             ),
         )
 
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
     async def close(self) -> None:
         await self.metrics.stop()
         self.engine.shutdown()
@@ -286,8 +320,14 @@ class DecodeHandler:
     async def create(cls, ctx: ModelContext) -> DecodeHandler:
         return cls(ctx)
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: DecodeRequest = from_tensor(inputs, "request", DecodeRequest)
+        if request.abandon:
+            # The request ended between prefill and decode: let prefill free its KV now
+            # instead of when its lease runs out (vLLM's pre-aborted request).
+            if request.kv_transfer_params:
+                await self.engine.reject_kv_transfer(request.request_id, request.kv_transfer_params)
+            return
         try:
             prompt = self.family.decode_prompt(
                 request.prompt, request.prompt_token_ids, request.images, request.image_hashes
@@ -299,6 +339,9 @@ class DecodeHandler:
         outputs = self.engine.generate(prompt, sampling, request.request_id)
         async for response in text_responses(text_deltas(outputs), stream=True):
             yield response
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
 
     async def close(self) -> None:
         self.engine.shutdown()
@@ -320,7 +363,7 @@ class AggregatedHandler:
     async def create(cls, ctx: ModelContext) -> AggregatedHandler:
         return cls(ctx)
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         from orchestrator.encoder.preprocess import decode_image
 
         request = parse_front_request(inputs, self.limits)
@@ -330,13 +373,13 @@ class AggregatedHandler:
                 images.append(decode_image(data, self.limits.max_image_pixels))
                 tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
-                raise InvalidRequest(f"image {i + 1} of {len(request.images)}: {exc}") from None
+                raise bad_image(f"image {i + 1} of {len(request.images)}", exc) from None
         text = self.prompts.build(request.text, len(images))
         self.prompts.check_budget(text, tokens, request.sampling.max_tokens)
         prompt: dict[str, Any] = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        outputs = self.engine.generate(prompt, to_vllm_sampling(request.sampling))
+        outputs = self.engine.generate(prompt, to_vllm_sampling(request.sampling), ctx.request_id)
         async for response in text_responses(text_deltas(outputs), request.stream):
             yield response
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrator.config import Topology
 from orchestrator.ports import free_ports
-from orchestrator.protocol import InvalidRequest, SamplingOptions
+from orchestrator.protocol import InvalidRequest, SamplingOptions, Unavailable
 
 if TYPE_CHECKING:
     from orchestrator.triton.runner import ModelContext
@@ -118,6 +118,18 @@ class LLMEngine:
                 yield out
         except ValueError as exc:  # vLLM's input validation (length, mm limits)
             raise InvalidRequest(str(exc)) from None
+
+    async def check_health(self) -> None:
+        """``Unavailable`` when the engine core is dead (vLLM's own health check)."""
+        try:
+            await self.engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - EngineDeadError and kin
+            raise Unavailable(f"vLLM engine is not healthy: {exc or type(exc).__name__}") from None
+
+    async def reject_kv_transfer(self, request_id: str, kv_transfer_params: dict) -> None:
+        """Free the remote KV that ``kv_transfer_params`` point at without pulling it (vLLM
+        submits a pre-aborted request whose connector hook notifies the producer)."""
+        await self.engine.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
 
     def shutdown(self) -> None:
         """Stop the EngineCore now, on the engine's loop; dropping the reference keeps

@@ -12,18 +12,21 @@ import asyncio
 import hashlib
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import numpy as np
 
+from orchestrator.auth import DeploymentKey
 from orchestrator.config import StageName
+from orchestrator.context import RequestContext
 from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
 from orchestrator.protocol import (
+    DeadlineExceeded,
     DecodeRequest,
     EmbeddingHandle,
     EncodeResult,
     InvalidRequest,
+    Overloaded,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -38,6 +41,10 @@ from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
+
+CLEANUP_TIMEOUT_S = 5.0
+"""Bound on the calls that clean up after a failed or cancelled request (release handles,
+free prefill's KV): past it the encoder's TTL and vLLM's KV lease are the backstop."""
 
 
 def _message(tensors: Tensors, name: str) -> bytes:
@@ -61,7 +68,7 @@ class EPDPipeline:
         self.limits = topo.limits
         self.routing = topo.routing
         self.prompts = PromptBuilder.for_topology(topo, ("prefill", "decode"))
-        timeout = topo.limits.stage_timeout_s
+        key = DeploymentKey.from_env()
         self._clients: dict[str, StageClient] = {}
         self.routes: dict[StageName, StageRoute] = {}
         for stage in ("encode", "prefill", "decode"):
@@ -69,7 +76,7 @@ class EPDPipeline:
             for name, server in topo.servers_of(stage).items():
                 if name not in self._clients:
                     url = server.local_grpc_url if name == ctx.server else server.grpc_url
-                    self._clients[name] = GrpcStageClient(url, timeout)
+                    self._clients[name] = GrpcStageClient(url, key)
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
@@ -110,45 +117,47 @@ class EPDPipeline:
         pipeline.health.start()
         return pipeline
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]:
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
-        request_id = uuid.uuid4().hex
         prompt = self.prompts.build(request.text, len(request.images))
         stages = ("encode", "prefill", "decode") if request.images else ("prefill", "decode")
         for stage in stages:  # text-only requests do not need an encoder
             await self.routes[stage].require(self.routing.probe_timeout_s)
 
-        handles, holders = await self._encode_all(request.images)
+        handles, holders = await self._encode_all(request.images, ctx)
         encoded = time.perf_counter()
         try:
             image_tokens = [h.layout.tokens for h in handles]
             self.prompts.check_budget(prompt, image_tokens, request.sampling.max_tokens)
             try:
-                result = await self._prefill(request_id, prompt, handles)
+                result = await self._prefill(prompt, handles, ctx)
             except Unavailable as exc:
-                if not handles or isinstance(exc, StageUnreachable):
+                if not handles or isinstance(exc, StageUnreachable | DeadlineExceeded | Overloaded):
                     raise
                 # Prefill is up but could not pull the embeddings: find out which encoders
                 # are gone, then encode again (elsewhere if need be) and retry once.
-                log.warning("request %s: prefill could not pull embeddings (%s)", request_id, exc)
+                log.warning(
+                    "request %s: prefill could not pull embeddings (%s)", ctx.request_id, exc
+                )
                 route = self.routes["encode"]
                 for name in set(holders):
                     if not await route.probe(name, self.routing.probe_timeout_s):
                         self.reuse.forget_server(name)
                 await self._release(handles, holders)
-                handles, holders = await self._encode_all(request.images)
-                result = await self._prefill(request_id, prompt, handles)
+                handles, holders = await self._encode_all(request.images, ctx)
+                result = await self._prefill(prompt, handles, ctx)
         except BaseException:
-            # Whatever prefill did not pull would stay pinned until its TTL otherwise.
-            await self._release(handles, holders)
+            # Whatever prefill did not pull would stay pinned until its TTL otherwise
+            # (also when the client cancelled: the handles go at once).
+            await self._cleanup(self._release(handles, holders))
             raise
         prefilled = time.perf_counter()
         self.seconds["encode"].observe(encoded - start)
         self.seconds["prefill"].observe(prefilled - encoded)
 
         decode = DecodeRequest(
-            request_id=request_id,
+            request_id=ctx.request_id,
             prompt=prompt,
             prompt_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],
@@ -158,35 +167,65 @@ class EPDPipeline:
         )
         route = self.routes["decode"]
         name = route.choose()
+        first = True
         try:
             with route.use(name) as decoder:
-                deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"])
-                first = True
+                deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"], ctx)
                 async for response in text_responses(_texts(deltas), request.stream):
                     if first:
                         self.seconds["first_token"].observe(time.perf_counter() - start)
                         first = False
                     yield response
-        except StageUnreachable as exc:
-            route.mark_down(name, str(exc))
+        except BaseException as exc:
+            if isinstance(exc, StageUnreachable):
+                route.mark_down(name, str(exc))
+            if first and decode.kv_transfer_params:
+                # Decode may never have admitted the request: free prefill's KV now.
+                await self._cleanup(self._abandon(name, decode))
             raise
         self.seconds["request"].observe(time.perf_counter() - start)
 
-    async def _encode_all(self, images: list[bytes]) -> tuple[list[EmbeddingHandle], list[str]]:
+    async def _cleanup(self, work: Awaitable[None]) -> None:
+        """Run cleanup of a failed or cancelled request, bounded: it must not hold the
+        request (or its cancellation) open when a stage does not answer."""
+        try:
+            await asyncio.wait_for(work, CLEANUP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - logged; the request's own error wins
+            log.warning("cleanup after a failed request did not finish: %s", exc)
+
+    async def _abandon(self, name: str, decode: DecodeRequest) -> None:
+        """Tell decode server ``name`` to free prefill's KV for a request it will not run."""
+        ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S, f"{decode.request_id}-x")
+        message = decode.model_copy(update={"request_id": ctx.request_id, "abandon": True})
+        client = self.routes["decode"].targets[name]
+        async for _ in client.call("decode", to_tensor("request", message), ["text_output"], ctx):
+            pass
+
+    async def _encode_all(
+        self, images: list[bytes], ctx: RequestContext
+    ) -> tuple[list[EmbeddingHandle], list[str]]:
         """One handle per image (encoded in parallel) and the encoder that holds each; if
-        any image fails, the others' handles are released before the error is raised."""
-        done = await asyncio.gather(
-            *(
-                self._encode_one(image, f"image {i + 1} of {len(images)}")
-                for i, image in enumerate(images)
-            ),
-            return_exceptions=True,
-        )
-        ok = [d for d in done if not isinstance(d, BaseException)]
-        if len(ok) < len(done):
-            await self._release([h for h, _ in ok], [n for _, n in ok])
-            raise next(d for d in done if isinstance(d, BaseException))
-        return [handle for handle, _ in ok], [name for _, name in ok]
+        any image fails, or the request is cancelled, the handles issued are released
+        before the error is raised. (A cancel that lands while an encoder is answering can
+        miss that one handle: its TTL is the backstop.)"""
+        tasks = [
+            asyncio.ensure_future(self._encode_one(image, f"image {i + 1} of {len(images)}", ctx))
+            for i, image in enumerate(images)
+        ]
+        try:
+            if tasks:  # all of them, also after one failed: each handle issued is released
+                await asyncio.wait(tasks)
+            failed = next((t.exception() for t in tasks if t.done() and t.exception()), None)
+            if failed is not None:
+                raise failed
+            return [t.result()[0] for t in tasks], [t.result()[1] for t in tasks]
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks) if tasks else None
+            ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+            await self._cleanup(self._release([h for h, _ in ok], [n for _, n in ok]))
+            raise
 
     async def _release(self, handles: list[EmbeddingHandle], holders: list[str]) -> None:
         """Unpin handles at their encoders now (best effort: a dead encoder's pins die with
@@ -197,21 +236,27 @@ class EPDPipeline:
 
         async def release(name: str, ids: list[str]) -> None:
             message = to_tensor("release", ReleaseRequest(handle_ids=ids))
+            ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S)
+            client = self.routes["encode"].targets[name]
             try:
-                await self.routes["encode"].targets[name].call_one("encode", message, ["handles"])
+                await client.call_one("encode", message, ["handles"], ctx)
             except Exception as exc:  # noqa: BLE001 - logged; the request's own error wins
                 log.warning("release of %d handle(s) on %s failed: %s", len(ids), name, exc)
 
         await asyncio.gather(*(release(name, ids) for name, ids in by_server.items()))
 
-    async def _encode_one(self, image: bytes, which: str) -> tuple[EmbeddingHandle, str]:
+    async def _encode_one(
+        self, image: bytes, which: str, ctx: RequestContext
+    ) -> tuple[EmbeddingHandle, str]:
         """Encode one image; a bad image is ``InvalidRequest`` naming it (``which``)."""
         try:
-            return await self._encode_on_some_encoder(image)
+            return await self._encode_on_some_encoder(image, ctx)
         except InvalidRequest as exc:
-            raise InvalidRequest(f"{which}: {exc}") from None
+            raise type(exc)(f"{which}: {exc}") from None
 
-    async def _encode_on_some_encoder(self, image: bytes) -> tuple[EmbeddingHandle, str]:
+    async def _encode_on_some_encoder(
+        self, image: bytes, ctx: RequestContext
+    ) -> tuple[EmbeddingHandle, str]:
         route = self.routes["encode"]
         key = hashlib.sha256(image).hexdigest()  # cheap; the encoder keys by decoded pixels
         tried: list[str] = []
@@ -228,8 +273,10 @@ class EPDPipeline:
             try:
                 with route.use(name) as encoder:
                     images = {"image": np.array([image], dtype=np.object_)}
-                    out = await encoder.call_one("encode", images, ["handles"])
+                    out = await encoder.call_one("encode", images, ["handles"], ctx)
                 return from_tensor(out, "handles", EncodeResult).handles[0], name
+            except (Overloaded, DeadlineExceeded):
+                raise  # the deployment pushes back / time is up: another encoder won't help
             except Unavailable as exc:
                 self.reuse.forget(key, name)
                 if isinstance(exc, StageUnreachable):
@@ -241,14 +288,15 @@ class EPDPipeline:
         raise last
 
     async def _prefill(
-        self, request_id: str, prompt: str, handles: list[EmbeddingHandle]
+        self, prompt: str, handles: list[EmbeddingHandle], ctx: RequestContext
     ) -> PrefillResult:
         route = self.routes["prefill"]
         name = route.choose()
-        request = PrefillRequest(request_id=request_id, prompt=prompt, handles=handles)
+        request = PrefillRequest(request_id=ctx.request_id, prompt=prompt, handles=handles)
+        message = to_tensor("request", request)
         try:
             with route.use(name) as prefiller:
-                out = await prefiller.call_one("prefill", to_tensor("request", request), ["result"])
+                out = await prefiller.call_one("prefill", message, ["result"], ctx)
         except StageUnreachable as exc:
             route.mark_down(name, str(exc))
             raise

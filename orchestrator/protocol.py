@@ -8,7 +8,6 @@ the ``inline`` transport, which exists for A/B comparison.
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Literal, TypeVar
 
 import numpy as np
@@ -16,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from orchestrator.config import describe
 from orchestrator.families.base import ImageLayout
+
+PROBE_PARAMETER = "epd-probe"
+"""Triton request parameter of a health probe: the runner answers it (the handler's
+``check_health`` when it has one); it never reaches ``generate``."""
 
 
 class _Wire(BaseModel):
@@ -37,6 +40,11 @@ class NixlLocation(_Wire):
     nonce: str
     """Hex token written around the payload; a mismatch means the slot was freed or reused."""
 
+    @property
+    def host(self) -> str:
+        """The host a consumer dials for this location."""
+        return self.metadata_addr.rsplit(":", 1)[0]
+
 
 class MooncakeLocation(_Wire):
     """Where a Mooncake consumer reads an embedding from (a region of the producer's pool)."""
@@ -51,12 +59,19 @@ class MooncakeLocation(_Wire):
     nonce: str
     """Hex token written around the payload; a mismatch means the slot was freed or reused."""
 
+    @property
+    def host(self) -> str:
+        """The host a consumer dials for this location."""
+        return self.session.rsplit(":", 1)[0]
+
 
 class InlinePayload(_Wire):
     """The embedding bytes themselves (base64), for the inline A/B transport."""
 
     kind: Literal["inline"] = "inline"
     data_b64: str
+    host: None = None
+    """Nothing to dial: the payload is here."""
 
 
 class EmbeddingHandle(_Wire):
@@ -75,11 +90,13 @@ class EmbeddingHandle(_Wire):
     mRoPE positions); None for fixed-size families."""
     content_hash: str
     """Hash of decoded pixels + preprocessing parameters + encoder identity."""
-    expires_at: float
-    """Unix time after which the producer may reclaim the slot if nobody pulled it."""
-
-    def expired(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) >= self.expires_at
+    ttl_s: float
+    """Seconds from issue, by the producer's own clock, after which it may reclaim the
+    slot if nobody pulled it (no two hosts' clocks are compared; a reclaimed slot fails
+    the consumer's nonce check)."""
+    signature: str = ""
+    """MAC of every other field by the issuing encoder (``orchestrator.auth``); prefill
+    refuses a handle whose signature does not verify before touching its location."""
 
     @property
     def layout(self) -> ImageLayout:
@@ -168,24 +185,82 @@ class DecodeRequest(_Wire):
     """Content hashes of the images (from their handles): vLLM's identity for them."""
     sampling: SamplingOptions
     kv_transfer_params: dict | None = None
+    abandon: bool = False
+    """The request ended after prefill and before decoding: decode only tells prefill's
+    engine to free the KV it holds for it (``kv_transfer_params``), and answers nothing."""
 
 
 class StageError(RuntimeError):
-    """An error that maps onto a Triton error code at the model boundary."""
+    """An error a client may see, of one kind in the taxonomy below.
 
-    code = "INTERNAL"
+    Each kind says whose fault it is, whether the same request may succeed if retried, and
+    what it becomes at each edge: a Triton error code (``triton_code``), an HTTP status
+    (``http_status``) and, between stages, the ``KIND: message`` text that rebuilds it on
+    the caller's side. This class itself is ``INTERNAL``: a bug or an unexpected state here.
+    """
+
+    kind = "INTERNAL"
+    """Wire name of the kind (the prefix of the message between stages)."""
+    triton_code = "INTERNAL"
+    """``pb_utils.TritonError`` code the model boundary answers with."""
+    http_status = 500
+    fault: Literal["client", "server"] = "server"
+    retryable = False
 
 
 class InvalidRequest(StageError):
-    """The client sent something wrong (Triton ``INVALID_ARG``); the server is fine."""
+    """The client sent something wrong; the same request will fail again."""
 
-    code = "INVALID_ARG"
+    kind = triton_code = "INVALID_ARG"
+    http_status = 400
+    fault = "client"
+
+
+class TooLarge(InvalidRequest):
+    """The client sent more than this deployment accepts (bytes, pixels, images, text)."""
+
+    kind = "TOO_LARGE"
+    http_status = 413
+
+
+class Unauthenticated(InvalidRequest):
+    """An internal stage was called without a valid deployment credential, or was handed
+    a handle no encoder of this deployment signed. Nothing was dialled or allocated."""
+
+    kind = "UNAUTHENTICATED"
+    http_status = 401
 
 
 class Unavailable(StageError):
-    """A stage or resource is unavailable right now (Triton ``UNAVAILABLE``); retry later."""
+    """A stage or resource is unavailable right now; retry later (maybe elsewhere)."""
 
-    code = "UNAVAILABLE"
+    kind = triton_code = "UNAVAILABLE"
+    http_status = 503
+    retryable = True
+
+
+class Overloaded(Unavailable):
+    """The deployment is pushing back (encoder cache full of pinned embeddings, queues):
+    the servers are healthy, the client should slow down."""
+
+    kind = "OVERLOADED"
+    http_status = 429
+
+
+class DeadlineExceeded(Unavailable):
+    """The request ran past its deadline, or a stream went quiet for longer than the idle
+    timeout. Fails this request only: it never takes a server out of rotation."""
+
+    kind = "DEADLINE_EXCEEDED"
+    http_status = 504
+
+
+class Cancelled(StageError):
+    """The client went away (or cancelled); the work was stopped in every stage."""
+
+    kind = triton_code = "CANCELLED"
+    http_status = 499
+    fault = "client"
 
 
 class StageUnreachable(Unavailable):
@@ -197,22 +272,32 @@ class TransferError(Unavailable):
     """A handle could not be resolved (unknown, released, expired, or its host is gone)."""
 
 
-_ERROR_TYPES: dict[str, type[StageError]] = {
-    cls.code: cls for cls in (StageError, InvalidRequest, Unavailable)
+_ERROR_KINDS: dict[str, type[StageError]] = {
+    cls.kind: cls
+    for cls in (
+        StageError,
+        InvalidRequest,
+        TooLarge,
+        Unauthenticated,
+        Unavailable,
+        Overloaded,
+        DeadlineExceeded,
+        Cancelled,
+    )
 }
 
 
 def error_message(exc: StageError) -> str:
-    """The text a stage sends: ``CODE: message``, so the code survives gRPC streams
+    """The text a stage sends: ``KIND: message``, so the kind survives gRPC streams
     (whose responses carry only an error string)."""
-    return f"{exc.code}: {exc}"
+    return f"{exc.kind}: {exc}"
 
 
 def error_from_message(message: str) -> StageError:
-    """Rebuild the ``StageError`` a remote stage raised from its ``CODE: message`` text."""
-    code, sep, text = message.partition(": ")
-    if sep and code in _ERROR_TYPES:
-        return _ERROR_TYPES[code](text)
+    """Rebuild the ``StageError`` a remote stage raised from its ``KIND: message`` text."""
+    kind, sep, text = message.partition(": ")
+    if sep and kind in _ERROR_KINDS:
+        return _ERROR_KINDS[kind](text)
     return StageError(message)
 
 

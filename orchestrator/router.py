@@ -97,7 +97,7 @@ class StageRoute:
     async def probe(self, name: str, timeout_s: float) -> bool:
         """Ask ``name`` whether it is ready; update its health; the answer."""
         try:
-            ready = await asyncio.wait_for(self.targets[name].ready(), timeout_s)
+            ready = await asyncio.wait_for(self.targets[name].ready(self.stage), timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
             ready, why = False, f"readiness probe failed: {exc or type(exc).__name__}"
         else:

@@ -7,14 +7,22 @@ also when the stage is hosted by this same server (see ``BlsInfer`` for why not 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
-from orchestrator.protocol import StageError, StageUnreachable, error_from_message
+from orchestrator.auth import GRPC_EDGE_HEADER, MAC_PARAMETER, DeploymentKey
+from orchestrator.context import RequestContext
+from orchestrator.protocol import (
+    PROBE_PARAMETER,
+    DeadlineExceeded,
+    StageError,
+    StageUnreachable,
+    Unavailable,
+    error_from_message,
+)
 
 Tensors = dict[str, np.ndarray]
 
@@ -39,12 +47,20 @@ class StageClient(ABC):
     """Calls one decoupled model and yields its responses' output tensors."""
 
     @abstractmethod
-    def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]: ...
+    def call(
+        self, model: str, inputs: Tensors, outputs: list[str], ctx: RequestContext
+    ) -> AsyncIterator[Tensors]:
+        """Responses of one call made on behalf of ``ctx``'s request: it carries the
+        request's id and what is left of its deadline to the callee, and fails with
+        ``DeadlineExceeded`` when the deadline passes or no response comes within the idle
+        timeout. Cancelling the caller cancels the call (and so the callee's work)."""
 
-    async def call_one(self, model: str, inputs: Tensors, outputs: list[str]) -> Tensors:
+    async def call_one(
+        self, model: str, inputs: Tensors, outputs: list[str], ctx: RequestContext
+    ) -> Tensors:
         """A call whose model answers exactly one response."""
         result: Tensors | None = None
-        async for response in self.call(model, inputs, outputs):
+        async for response in self.call(model, inputs, outputs, ctx):
             if result is not None:
                 raise StageError(f"{model} answered more than one response")
             result = response
@@ -52,8 +68,8 @@ class StageClient(ABC):
             raise StageError(f"{model} answered no response")
         return result
 
-    async def ready(self) -> bool:
-        """Whether the hosting server is up and its models loaded."""
+    async def ready(self, model: str) -> bool:
+        """Whether the hosting server is up and ``model`` says it is healthy."""
         return True
 
     async def close(self) -> None:
@@ -71,17 +87,18 @@ class BlsInfer:
     gRPC, also to this same server.
     """
 
-    def __init__(self, pb_utils: Any, timeout_s: float) -> None:
+    def __init__(self, pb_utils: Any) -> None:
         self._pb = pb_utils
-        self._timeout_us = int(timeout_s * 1_000_000)
 
-    async def infer(self, model: str, inputs: Tensors, outputs: list[str]) -> Tensors:
+    async def infer(
+        self, model: str, inputs: Tensors, outputs: list[str], ctx: RequestContext
+    ) -> Tensors:
         pb = self._pb
         request = pb.InferenceRequest(
             model_name=model,
             inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
             requested_output_names=outputs,
-            timeout=self._timeout_us,
+            timeout=max(1, int(ctx.remaining() * 1_000_000)),
         )
         response = await asyncio.get_running_loop().run_in_executor(None, request.exec)
         if response.has_error():
@@ -99,66 +116,122 @@ _CHANNEL_ARGS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+_PROBE_INPUT = {"encode": "release", "prefill": "request", "decode": "request"}
+"""A required (or harmless) input of each stage model: a probe must pass Triton's input
+checks to reach the model, which answers it without reading the value."""
+
 
 class GrpcStageClient(StageClient):
-    """Remote call over tritonclient's asyncio gRPC stream, with a deadline.
+    """Remote call over tritonclient's asyncio gRPC stream, signed with the deployment key.
 
     The aio client cannot ask for Triton's empty final response, so a request that ends
     with a data-less final flag is finished when the server closes the stream (it does so
     once our single request is complete and we have half-closed).
     """
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, key: DeploymentKey) -> None:
         import tritonclient.grpc.aio as grpcclient
 
         self._mod = grpcclient
         self._url = url
-        self._timeout_s = timeout_s
+        self._key = key
+        self._headers = {GRPC_EDGE_HEADER: key.edge_token}
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
-    async def call(self, model: str, inputs: Tensors, outputs: list[str]) -> AsyncIterator[Tensors]:
+    def _request(
+        self,
+        model: str,
+        inputs: Tensors,
+        outputs: list[str],
+        ctx: RequestContext,
+        parameters: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         mod = self._mod
         infer_inputs = []
         for name, value in inputs.items():
             tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
             tensor.set_data_from_numpy(value)
             infer_inputs.append(tensor)
-        request = {
+        mac = self._key.sign_call(model, ctx.request_id, inputs)
+        return {
             "model_name": model,
             "inputs": infer_inputs,
             "outputs": [mod.InferRequestedOutput(n) for n in outputs],
-            "request_id": uuid.uuid4().hex,
+            "request_id": ctx.request_id,
+            "timeout": max(1, int(ctx.remaining() * 1_000_000)),
+            "parameters": {MAC_PARAMETER: mac, **(parameters or {})},
         }
+
+    async def call(
+        self,
+        model: str,
+        inputs: Tensors,
+        outputs: list[str],
+        ctx: RequestContext,
+        parameters: dict[str, str] | None = None,
+    ) -> AsyncIterator[Tensors]:
+        request = self._request(model, inputs, outputs, ctx, parameters)
 
         async def requests():
             yield request
 
+        stream = self._client.stream_infer(requests(), headers=self._headers)
+        finished = False
         try:
-            stream = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
-            async for result, error in stream:
+            while True:
+                wait = min(ctx.idle_timeout_s, ctx.remaining())
+                try:
+                    result, error = await asyncio.wait_for(anext(stream), wait)
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                except TimeoutError:
+                    what = "deadline" if wait < ctx.idle_timeout_s else "idle timeout"
+                    raise DeadlineExceeded(
+                        f"{model} at {self._url}: no response within {wait:.1f}s ({what}) "
+                        f"for request {ctx.request_id}"
+                    ) from None
                 if error is not None:
+                    finished = True
                     raise error_from_message(error.message())
                 response = result.get_response()
                 if response.outputs:
                     yield {o.name: result.as_numpy(o.name) for o in response.outputs}
                 if response.parameters["triton_final_response"].bool_param:
+                    finished = True
                     return
         except StageError:
             raise
-        except Exception as exc:  # grpc errors: unreachable, deadline, reset
+        except Exception as exc:  # grpc errors: unreachable, reset
             raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
+        finally:
+            if not finished:  # we stop early (cancelled, timed out): so must the callee
+                stream.cancel()
 
-    async def ready(self) -> bool:
-        """Retries until answered: while the channel waits out its reconnect backoff, calls
-        fail at once with the last error (e.g. "connection refused" from before the server
-        was up), so one failed call says little. The caller bounds the wait."""
+    async def ready(self, model: str) -> bool:
+        """The server is ready and ``model`` answers a probe (the engines inside are alive).
+
+        Retries the server check until answered: while the channel waits out its reconnect
+        backoff, calls fail at once with the last error (e.g. "connection refused" from
+        before the server was up), so one failed call says little. The caller bounds the
+        wait."""
         from tritonclient.utils import InferenceServerException
 
         while True:
             try:
-                return bool(await self._client.is_server_ready())
+                if not await self._client.is_server_ready():
+                    return False
+                break
             except InferenceServerException:
                 await asyncio.sleep(0.1)
+        probe = {_PROBE_INPUT[model]: np.array([b"{}"], dtype=np.object_)}
+        ctx = RequestContext.create(timeout_s=30, idle_timeout_s=30)
+        try:
+            async for _ in self.call(model, probe, [], ctx, {PROBE_PARAMETER: "1"}):
+                pass
+        except Unavailable:
+            return False
+        return True
 
     async def close(self) -> None:
         await self._client.close()

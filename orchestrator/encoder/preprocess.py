@@ -26,6 +26,10 @@ _MAGIC = (
 )
 
 
+class ImageTooLarge(ValueError):
+    """The image's header claims more pixels than the deployment accepts."""
+
+
 def decode_image(data: bytes | str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """Decode JPEG/PNG/WebP bytes, or base64 text of them (data URLs too), to an RGB image.
 
@@ -52,8 +56,10 @@ def open_image(data: bytes | str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) ->
     except (OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"not a decodable {'/'.join(ALLOWED_FORMATS)} image: {e}") from e
     width, height = img.size
-    if width <= 0 or height <= 0 or width * height > max_pixels:
-        raise ValueError(
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image header claims {width}x{height} pixels")
+    if width * height > max_pixels:
+        raise ImageTooLarge(
             f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
         )
     return img

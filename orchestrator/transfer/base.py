@@ -223,10 +223,10 @@ class EmbeddingProducer(ABC):
         """A new handle for ``entry``; locked."""
         slot, meta = entry.slot, entry.meta
         handle_id = new_handle_id()
-        expires_at = time.time() + self.config.ttl_s
         location = self._location(slot)
         if self.pins_until_pulled:
-            self._table.pin(entry, handle_id, expires_at + self.config.reclaim_grace_s)
+            deadline = time.monotonic() + self.config.ttl_s + self.config.reclaim_grace_s
+            self._table.pin(entry, handle_id, deadline)
         elif self._table.drop_if_unpinned(entry):  # cache off: the handle is the only copy
             self._discard(slot)
         return EmbeddingHandle(
@@ -236,7 +236,7 @@ class EmbeddingProducer(ABC):
             dtype=meta.dtype,
             grid_thw=meta.grid_thw,
             content_hash=meta.content_hash,
-            expires_at=expires_at,
+            ttl_s=self.config.ttl_s,
         )
 
     def release(self, handle_id: str) -> bool:
@@ -258,7 +258,7 @@ class EmbeddingProducer(ABC):
 
     def stats(self) -> ProducerStats:
         with self._lock:
-            self._expire(time.time())
+            self._expire(time.monotonic())
             usage, c = self._usage(), self._table.counters
             return ProducerStats(
                 entries=len(self._table),
@@ -447,13 +447,3 @@ def location_of(handle: EmbeddingHandle, kind: str) -> Any:
 
 def new_handle_id() -> str:
     return uuid.uuid4().hex
-
-
-def check_not_expired(handle: EmbeddingHandle) -> None:
-    """Refuse an expired handle up front: its slot may already be reclaimed and reused."""
-    now = time.time()
-    if handle.expired(now):
-        raise TransferError(
-            f"handle {handle.handle_id} expired {now - handle.expires_at:.3f}s ago "
-            "(not fetched within the producer's ttl); re-encode the image"
-        )

@@ -14,7 +14,6 @@ from orchestrator.transfer.base import (
     EmbeddingProducer,
     ProducerConfig,
     StorageUsage,
-    check_not_expired,
     destination_bytes,
     location_of,
 )
@@ -78,7 +77,6 @@ class InlineConsumer(EmbeddingConsumer):
         loc: InlinePayload = location_of(handle, self.kind)
         dest = destination_bytes(handle, out)
         hid = handle.handle_id
-        check_not_expired(handle)
         try:
             raw = base64.b64decode(loc.data_b64, validate=True)
         except binascii.Error as exc:

@@ -26,7 +26,6 @@ from orchestrator.transfer.base import (
     EmbeddingProducer,
     ProducerConfig,
     StorageUsage,
-    check_not_expired,
 )
 from orchestrator.transfer.pool import BlockPool
 
@@ -122,7 +121,7 @@ class PoolProducer(EmbeddingProducer):
             with self._lock:
                 for handle_id in handle_ids:
                     self._unpin(handle_id)
-                self._expire(time.time())
+                self._expire(time.monotonic())
 
     def stop_polling(self) -> bool:
         """Stop the poll thread; False if it was already stopped (close is idempotent)."""
@@ -135,9 +134,9 @@ class PoolProducer(EmbeddingProducer):
 
 
 def check_frame(handle: EmbeddingHandle, length: int, nonce_hex: str) -> np.ndarray:
-    """Validate a handle before reading: not expired, region frames the payload; the nonce."""
+    """Validate a handle before reading: the region frames the payload; the nonce. (Expiry
+    is the producer's business: a slot it reclaimed fails the nonce check after the READ.)"""
     hid = handle.handle_id
-    check_not_expired(handle)
     if length != handle.nbytes + 2 * NONCE_BYTES:
         raise TransferError(
             f"handle {hid}: region of {length} bytes does not frame {handle.nbytes} payload bytes"

@@ -10,11 +10,12 @@ import fcntl
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator.config import Topology
+from orchestrator.auth import SECRET_ENV, DeploymentKey, new_secret
+from orchestrator.config import PUBLIC_STAGES, Topology
 from orchestrator.families import ModelFamily
 from orchestrator.ports import free_ports
 from orchestrator.triton.repository import render
@@ -30,6 +31,22 @@ def preflight(topology: Topology) -> ModelFamily:
     if topology.servers_of("encode"):
         pool_bytes_for(topology.transfer.pool_bytes, family.max_image_bytes())
     return family
+
+
+def deployment_secret(starts_all: bool, env: Mapping[str, str] = os.environ) -> str:
+    """The deployment's secret: ``EPD_DEPLOYMENT_SECRET`` when set; else a new one when
+    this process starts every server (a single box); else ``ValueError``: the servers of
+    a multi-host deployment must share one, so it cannot be made up here."""
+    secret = env.get(SECRET_ENV)
+    if secret:
+        DeploymentKey(secret)  # long enough
+        return secret
+    if starts_all:
+        return new_secret()
+    raise ValueError(
+        f"set {SECRET_ENV} to the same secret on every host of this deployment "
+        "(`python -c 'import secrets; print(secrets.token_hex(32))'`)"
+    )
 
 
 class DeploymentBusy(RuntimeError):
@@ -83,6 +100,7 @@ class Deployment:
         if unknown:
             raise ValueError(f"no such server(s) in the topology: {sorted(unknown)}")
         self.family = preflight(topology)
+        self.secret = deployment_secret(starts_all=not only or set(only) == set(topology.servers))
         self.progress = progress
         self.topology = topology
         self.local = {n: s for n, s in topology.servers.items() if not only or n in only}
@@ -136,7 +154,9 @@ class Deployment:
                     grpc_port=spec.grpc_port,
                     metrics_port=spec.metrics_port,
                     log_path=self.workdir / "logs" / f"{name}.log",
-                    env=spec.env,
+                    env={**spec.env, SECRET_ENV: self.secret},
+                    edge_token=DeploymentKey(self.secret).edge_token,
+                    internal_only=not PUBLIC_STAGES & set(spec.stages),
                     netns=spec.netns,
                     cpus=spec.cpus,
                 )

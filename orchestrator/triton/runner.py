@@ -3,8 +3,9 @@
 Each ``model.py`` builds one ``DecoupledModelRunner`` around a handler (the Dynamo-style
 ``async generate(request)`` object). The runner owns a private asyncio loop in a daemon
 thread -- vLLM's ``AsyncLLM`` must live on one loop, and the stub's own loop must never
-block -- converts Triton tensors to numpy and back, and maps ``StageError`` codes onto
-``TritonError`` so clients see ``INVALID_ARG`` / ``UNAVAILABLE`` with our message.
+block -- converts Triton tensors to numpy and back, and maps ``StageError`` kinds onto
+``TritonError`` codes so clients see ``INVALID_ARG`` / ``UNAVAILABLE`` / ``CANCELLED`` with
+our message.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import concurrent.futures
 import json
 import locale
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -22,8 +24,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from orchestrator.auth import MAC_PARAMETER, DeploymentKey
 from orchestrator.config import Topology
-from orchestrator.protocol import StageError, error_message
+from orchestrator.context import RequestContext
+from orchestrator.protocol import PROBE_PARAMETER, StageError, error_message
 
 Tensors = dict[str, np.ndarray]
 
@@ -31,7 +35,7 @@ Tensors = dict[str, np.ndarray]
 class StageHandler(Protocol):
     """What a Triton model delegates to: one request in, a stream of output tensors out."""
 
-    async def generate(self, inputs: Tensors) -> AsyncIterator[Tensors]: ...
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]: ...
 
     async def close(self) -> None: ...
 
@@ -67,8 +71,19 @@ def model_context(args: dict[str, Any], pb_utils: Any) -> ModelContext:
     return ModelContext(topology, server, args["model_name"], pb_utils, params, version_dir)
 
 
+WATCH_PERIOD_S = 0.1
+"""How often in-flight requests are checked for client cancellation and their deadline."""
+
+
 class DecoupledModelRunner:
-    """Serves a decoupled Triton model from an async handler on a private event loop."""
+    """Serves a decoupled Triton model from an async handler on a private event loop.
+
+    Per request it owns the ``RequestContext``: the deadline (the topology's
+    ``request_timeout_s``, shortened by the client's Triton ``timeout``), and a watcher that
+    cancels the handler's task when Triton reports the request cancelled (the client closed
+    its gRPC stream) or the deadline passes. Internal models (the default; public entry
+    points pass ``public=True``) refuse calls without the deployment's credential.
+    """
 
     def __init__(
         self,
@@ -76,6 +91,7 @@ class DecoupledModelRunner:
         pb_utils: Any,
         make_handler: Callable[[ModelContext], Awaitable[StageHandler]],
         start_timeout_s: float = 600,
+        public: bool = False,
     ) -> None:
         # The stub embeds Python in an isolated config whose preferred encoding is ASCII;
         # torch/vLLM read UTF-8 templates at import and die without this.
@@ -86,8 +102,14 @@ class DecoupledModelRunner:
             target=self._loop.run_forever, name=f"{args['model_name']}-loop", daemon=True
         )
         self._thread.start()
-        self._inflight: set[asyncio.Future] = set()
+        self._inflight: set[concurrent.futures.Future] = set()
+        self._live: dict[asyncio.Task, tuple[RequestContext, Any]] = {}
+        self._watcher: asyncio.Task | None = None
         ctx = model_context(args, pb_utils)
+        self.model = ctx.model_name
+        self.public = public
+        self._limits = ctx.topology.limits
+        self._key = None if public else DeploymentKey.from_env()
         self.handler: StageHandler = asyncio.run_coroutine_threadsafe(
             make_handler(ctx), self._loop
         ).result(start_timeout_s)
@@ -96,32 +118,105 @@ class DecoupledModelRunner:
         """Schedule every request on the loop; responses go out through their senders."""
         for request in requests:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            fut = asyncio.run_coroutine_threadsafe(
-                self._serve(inputs, request.get_response_sender()), self._loop
+            call = _Call(
+                inputs=inputs,
+                sender=request.get_response_sender(),
+                request_id=request.request_id(),
+                timeout_us=request.timeout(),
+                parameters=request.parameters(),
             )
+            fut = asyncio.run_coroutine_threadsafe(self._serve(call), self._loop)
             self._inflight.add(fut)
             fut.add_done_callback(self._inflight.discard)
 
-    async def _serve(self, inputs: Tensors, sender: Any) -> None:
-        pb = self._pb
-        try:
-            async for outputs in self.handler.generate(inputs):
-                tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
-                sender.send(pb.InferenceResponse(output_tensors=tensors))
-            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # every failure must reach the client, never the loop
-            sender.send(
-                pb.InferenceResponse(error=self._triton_error(exc)),
-                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
+    def _context(self, call: _Call) -> RequestContext:
+        timeout_s = self._limits.request_timeout_s
+        if call.timeout_us > 0:
+            timeout_s = min(timeout_s, call.timeout_us / 1e6)
+        # Internal calls keep the front's id (one id in every stage's log and engine);
+        # a public request gets a fresh one: client-chosen ids may collide in vLLM.
+        return RequestContext.create(
+            timeout_s,
+            self._limits.stream_idle_timeout_s,
+            request_id=None if self.public else call.request_id,
+        )
 
-    def _triton_error(self, exc: Exception) -> Any:
+    async def _serve(self, call: _Call) -> None:
+        pb, sender = self._pb, call.sender
+        ctx = self._context(call)
+        task = asyncio.current_task()
+        assert task is not None
+        self._live[task] = (ctx, sender)
+        if self._watcher is None:
+            self._watcher = self._loop.create_task(self._watch())
+        try:
+            parameters = _parameters(call.parameters)
+            if self._key is not None:
+                self._key.verify_call(
+                    self.model, call.request_id, call.inputs, parameters.get(MAC_PARAMETER)
+                )
+            if PROBE_PARAMETER in parameters and not self.public:
+                await self._check_health()
+            else:
+                async for outputs in self.handler.generate(call.inputs, ctx):
+                    tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
+                    sender.send(pb.InferenceResponse(output_tensors=tensors))
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except asyncio.CancelledError:
+            stopped = ctx.stop_error()
+            if stopped is None:  # the loop is shutting down, not our watcher
+                raise
+            task.uncancel()
+            self._send_error(sender, stopped, ctx)
+        except Exception as exc:  # every failure must reach the client, never the loop
+            self._send_error(sender, exc, ctx)
+        finally:
+            del self._live[task]
+
+    async def _check_health(self) -> None:
+        check = getattr(self.handler, "check_health", None)
+        if check is not None:
+            await check()
+
+    async def _watch(self) -> None:
+        """Cancel the tasks of requests the client cancelled or whose deadline passed;
+        runs only while requests are in flight (an idle server does nothing here)."""
+        try:
+            while self._live:
+                await asyncio.sleep(WATCH_PERIOD_S)
+                now = time.monotonic()
+                for task, (ctx, sender) in list(self._live.items()):
+                    if task.done() or ctx.cancelled or ctx.timed_out:
+                        continue
+                    if sender.is_cancelled():
+                        ctx.cancelled = True
+                        task.cancel()
+                    elif now >= ctx.deadline:
+                        ctx.timed_out = True
+                        task.cancel()
+        finally:
+            self._watcher = None
+
+    def _send_error(self, sender: Any, exc: BaseException, ctx: RequestContext) -> None:
+        pb = self._pb
+        sender.send(
+            pb.InferenceResponse(error=self._triton_error(exc, ctx)),
+            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def _triton_error(self, exc: BaseException, ctx: RequestContext) -> Any:
+        """Our errors keep their kind and message; anything else is a short ``INTERNAL``
+        naming the request, with the trace in the server log only."""
         error = self._pb.TritonError
-        if isinstance(exc, StageError):
-            return error(error_message(exc), getattr(error, exc.code, error.INTERNAL))
-        self._pb.Logger.log_error(traceback.format_exc())
-        detail = "".join(traceback.format_exception_only(exc)).strip()
-        return error(error_message(StageError(detail)), error.INTERNAL)
+        if not isinstance(exc, StageError):
+            self._pb.Logger.log_error(
+                f"{self.model} request {ctx.request_id} failed:\n{traceback.format_exc()}"
+            )
+            exc = StageError(
+                f"internal error in {self.model} (request {ctx.request_id}); "
+                "the server log has the details"
+            )
+        return error(error_message(exc), getattr(error, exc.triton_code, error.INTERNAL))
 
     def stop(self, drain_timeout_s: float = 30) -> None:
         """Let in-flight requests finish (bounded), close the handler, stop the loop."""
@@ -132,3 +227,23 @@ class DecoupledModelRunner:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What the runner takes from a Triton request before handing it to its loop."""
+
+    inputs: Tensors
+    sender: Any
+    request_id: str
+    timeout_us: int
+    parameters: str
+
+
+def _parameters(raw: str) -> dict[str, Any]:
+    """Triton's request parameters (a JSON object); anything else counts as none."""
+    try:
+        parameters = json.loads(raw or "{}")
+    except ValueError:
+        return {}
+    return parameters if isinstance(parameters, dict) else {}

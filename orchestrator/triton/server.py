@@ -91,6 +91,10 @@ class TritonServer:
     """``taskset -c`` CPU list for the server and everything it starts."""
     probe_host: str | None = None
     """Where to check readiness when ``host`` (the bind address) is a wildcard."""
+    edge_token: str | None = None
+    """Value of ``auth.EDGE_HEADER`` that Triton demands on restricted APIs (None: none)."""
+    internal_only: bool = False
+    """The server hosts no public entry point: inference needs the header too."""
     exit_timeout_s: int = 15
     _proc: subprocess.Popen | None = None
     _scratch: tempfile.TemporaryDirectory | None = None
@@ -125,6 +129,7 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
             "--disable-auto-complete-config",
             "--log-verbose=0",
+            *self._restrictions(),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child from here on
@@ -139,6 +144,20 @@ class TritonServer:
             )
         finally:
             log.close()
+
+    def _restrictions(self) -> list[str]:
+        """Triton's own header check on the APIs nobody outside the deployment may use:
+        loading models, registering shared memory, traces and log settings everywhere;
+        inference too where only internal stages live (health stays open for probes)."""
+        if self.edge_token is None:
+            return []
+        from orchestrator.auth import EDGE_HEADER
+
+        apis = ["model-repository", "shared-memory", "trace", "logging"]
+        if self.internal_only:
+            apis.append("inference")
+        rule = f"{','.join(apis)}:{EDGE_HEADER}={self.edge_token}"
+        return [f"--grpc-restricted-protocol={rule}", f"--http-restricted-api={rule}"]
 
     @property
     def url(self) -> str:

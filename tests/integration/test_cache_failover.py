@@ -65,7 +65,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             prefill_cache_bytes=256 << 10,
         ),
         routing={"health_interval_s": 0.5},
-        limits={"stage_timeout_s": 30},
+        limits={"request_timeout_s": 30},
     )
     deployment = Deployment(topology, tmp_path_factory.mktemp("cache"))
     with deployment.running(timeout_s=600):

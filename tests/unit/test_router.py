@@ -71,8 +71,10 @@ def test_no_healthy_server_to_choose_says_why():
 class _Probed:
     def __init__(self, answer) -> None:
         self.answer = answer
+        self.asked: list[str] = []
 
-    async def ready(self) -> bool:
+    async def ready(self, model: str) -> bool:
+        self.asked.append(model)
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer
@@ -87,6 +89,7 @@ def test_probes_take_out_and_readmit():
     clients["down"].answer = True
     asyncio.run(monitor.probe_all())
     assert route.healthy == ["up", "down"]
+    assert clients["up"].asked == ["decode", "decode"]  # the stage's model is probed
 
 
 def test_reuse_index_is_bounded_and_forgets_a_dead_server():

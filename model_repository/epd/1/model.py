@@ -8,7 +8,7 @@ from orchestrator.triton.runner import DecoupledModelRunner
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.runner = DecoupledModelRunner(args, pb_utils, EPDPipeline.create)
+        self.runner = DecoupledModelRunner(args, pb_utils, EPDPipeline.create, public=True)
 
     def execute(self, requests):
         self.runner.submit(requests)
