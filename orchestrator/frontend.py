@@ -58,9 +58,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
     if not text.strip():
         raise InvalidRequest("text_input is empty")
     if len(raw_text) > limits.max_text_bytes:
-        raise TooLarge(
-            f"text_input is {len(raw_text)} bytes; the limit is {limits.max_text_bytes}"
-        )
+        raise TooLarge(f"text_input is {len(raw_text)} bytes; the limit is {limits.max_text_bytes}")
 
     items = inputs["image"].reshape(-1) if "image" in inputs else []
     if len(items) > limits.max_images_per_request:
@@ -76,9 +74,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         if not data:
             raise InvalidRequest(f"{which} is empty")
         if len(data) > limits.max_image_bytes:
-            raise TooLarge(
-                f"{which} is {len(data)} bytes; the limit is {limits.max_image_bytes}"
-            )
+            raise TooLarge(f"{which} is {len(data)} bytes; the limit is {limits.max_image_bytes}")
         total += len(data)
         if total > limits.max_request_bytes:
             raise TooLarge(
