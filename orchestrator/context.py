@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.protocol import Cancelled, DeadlineExceeded
@@ -29,6 +30,9 @@ class RequestContext:
     timed_out: bool = False
     """Set before the handler's task is cancelled because the deadline passed."""
     started: float = field(default_factory=time.monotonic)
+    client_gone: Callable[[], bool] = lambda: False
+    """Asks the server now whether the caller cancelled (cheap, but an IPC round trip: for
+    a handler about to answer with something it must take back if nobody listens)."""
 
     @classmethod
     def create(

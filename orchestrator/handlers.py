@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from orchestrator.context import RequestContext
 from orchestrator.frontend import PromptBuilder, bad_image, parse_front_request, text_responses
 from orchestrator.llm import LLMEngine, to_vllm_sampling
 from orchestrator.protocol import (
+    Cancelled,
     DecodeRequest,
     EmbeddingHandle,
     EncodeResult,
@@ -39,6 +41,11 @@ from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
+
+ISSUED_REQUESTS_REMEMBERED = 1 << 12
+"""Requests whose handles an encoder can release by request id (after that: the TTL)."""
+USED_HANDLES_REMEMBERED = 1 << 16
+"""Handle ids a prefill server remembers to refuse a replay (a few MB at most)."""
 
 
 async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -74,6 +81,8 @@ class EncodeHandler:
             advertise_host=topo.servers[ctx.server].host,
         )
         self._encoding: dict[str, asyncio.Future] = {}  # content hash -> its encoder pass
+        self.issued: OrderedDict[str, list[str]] = OrderedDict()
+        """Handle ids issued per request id (the latest requests only)."""
         self.metrics = MetricsPublisher(
             ctx.pb_utils, {"server": ctx.server, "transport": spec.kind}
         )
@@ -120,6 +129,13 @@ class EncodeHandler:
                     raise Overloaded(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
             await asyncio.sleep(0.01)
 
+    def _record(self, request_id: str, handle_id: str) -> None:
+        """Remember which request a handle went to, so the front can release by request."""
+        self.issued.setdefault(request_id, []).append(handle_id)
+        self.issued.move_to_end(request_id)
+        while len(self.issued) > ISSUED_REQUESTS_REMEMBERED:
+            self.issued.popitem(last=False)
+
     def _signed(self, handle: EmbeddingHandle) -> EmbeddingHandle:
         return handle.model_copy(update={"signature": self.key.handle_signature(handle)})
 
@@ -147,7 +163,9 @@ class EncodeHandler:
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         if "release" in inputs:  # a request ended before its handles were pulled
-            for handle_id in from_tensor(inputs, "release", ReleaseRequest).handle_ids:
+            release = from_tensor(inputs, "release", ReleaseRequest)
+            ids = [*release.handle_ids, *self.issued.pop(release.request_id or "", [])]
+            for handle_id in ids:
                 self.producer.release(handle_id)
             yield to_tensor("handles", EncodeResult(handles=[]))
             return
@@ -162,8 +180,11 @@ class EncodeHandler:
                 which = f"image {i}" if len(images) > 1 else ""
                 image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
                 handles.append(await self._handle(image, digest, ctx))
+                self._record(ctx.request_id, handles[-1].handle_id)
+            if ctx.client_gone():  # cancelled while we encoded: nobody will pull these
+                raise Cancelled(f"request {ctx.request_id} was cancelled by the client")
         except BaseException:
-            for handle in handles:  # nobody will pull these
+            for handle in handles:
                 self.producer.release(handle.handle_id)
             raise
         yield to_tensor("handles", EncodeResult(handles=handles))
@@ -178,7 +199,7 @@ class PrefillHandler:
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.families import family_for
-        from orchestrator.metrics import MetricsPublisher
+        from orchestrator.metrics import MetricsPublisher, publish_engine
         from orchestrator.transfer import make_consumer
 
         topo = ctx.topology
@@ -186,10 +207,13 @@ class PrefillHandler:
         self.family = family_for(topo.model)
         self.key = DeploymentKey.from_env()
         self.encoder_hosts = {topo.servers[name].host for name in topo.servers_of("encode")}
+        self.used: OrderedDict[str, None] = OrderedDict()
+        """Ids of the handles this prefill consumed lately: a handle is good for one use."""
         self.engine = LLMEngine.for_model(ctx, "prefill")
         self.public_host = ctx.topology.servers[ctx.server].host
         self.consumer = make_consumer(kind, host=self.public_host)
         self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "transport": kind})
+        publish_engine(self.metrics, self.engine, "prefill")
         self.fetch_seconds = self.metrics.histogram(
             "epd_embedding_fetch_seconds", "Time to pull one image's embeddings from its encoder"
         )
@@ -232,6 +256,8 @@ class PrefillHandler:
         the handle, it points at an encoder host of the topology, and its shape is one the
         family can produce (``Unauthenticated`` / ``InvalidRequest`` otherwise)."""
         self.key.check_handle_signature(handle, handle.signature)
+        if handle.handle_id in self.used:
+            raise Unauthenticated(f"handle {handle.handle_id} was already used (a replay)")
         host = handle.location.host
         if host is not None and host not in self.encoder_hosts:
             raise Unauthenticated(
@@ -266,6 +292,10 @@ class PrefillHandler:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
         for handle in request.handles:
             self.check_handle(handle)
+        for handle in request.handles:
+            self.used[handle.handle_id] = None
+            while len(self.used) > USED_HANDLES_REMEMBERED:
+                self.used.popitem(last=False)
         prompt: dict[str, Any] = {"prompt": request.prompt}
         if request.handles:
             embeds = await self._pull(request.handles)
@@ -312,13 +342,18 @@ class DecodeHandler:
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.families import family_for
+        from orchestrator.metrics import MetricsPublisher, publish_engine
 
         self.family = family_for(ctx.topology.model)
         self.engine = LLMEngine.for_model(ctx, "decode")
+        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
+        publish_engine(self.metrics, self.engine, "decode")
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> DecodeHandler:
-        return cls(ctx)
+        handler = cls(ctx)
+        handler.metrics.start()
+        return handler
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: DecodeRequest = from_tensor(inputs, "request", DecodeRequest)
@@ -344,6 +379,7 @@ class DecodeHandler:
         await self.engine.check_health()
 
     async def close(self) -> None:
+        await self.metrics.stop()
         self.engine.shutdown()
 
 
@@ -352,16 +388,21 @@ class AggregatedHandler:
 
     def __init__(self, ctx: ModelContext) -> None:
         from orchestrator.families import family_for
+        from orchestrator.metrics import MetricsPublisher, publish_engine
 
         topo = ctx.topology
         self.limits = topo.limits
         self.family = family_for(topo.model)
         self.engine = LLMEngine.for_model(ctx, "aggregated")
         self.prompts = PromptBuilder.for_topology(topo, ("aggregated",))
+        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
+        publish_engine(self.metrics, self.engine, "aggregated")
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> AggregatedHandler:
-        return cls(ctx)
+        handler = cls(ctx)
+        handler.metrics.start()
+        return handler
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         from orchestrator.encoder.preprocess import decode_image
@@ -384,4 +425,5 @@ class AggregatedHandler:
             yield response
 
     async def close(self) -> None:
+        await self.metrics.stop()
         self.engine.shutdown()

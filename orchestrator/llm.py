@@ -73,20 +73,37 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
 
 
 def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):
+    """vLLM's ``SamplingParams`` for the options (streamed as deltas); a combination vLLM
+    refuses is ``InvalidRequest`` with its message."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind
 
-    kwargs: dict[str, Any] = dict(
-        max_tokens=opts.max_tokens,
-        temperature=opts.temperature,
-        top_p=opts.top_p,
-        top_k=opts.top_k if opts.top_k > 0 else 0,
-        seed=opts.seed,
-        stop=opts.stop or None,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    kwargs: dict[str, Any] = {**opts.vllm_kwargs(), "output_kind": RequestOutputKind.DELTA}
     kwargs.update(overrides)
-    return SamplingParams(**kwargs)
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, VLLMClientError) as exc:
+        raise InvalidRequest(f"invalid sampling_parameters: {exc}") from None
+
+
+def _recorder(engine: LLMEngine):
+    """A vLLM stat-logger factory (its public plugin seam) that keeps the latest scheduler
+    stats of ``engine``'s core: running and waiting requests, KV cache usage."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsRecorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                engine.scheduler_stats = scheduler_stats
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SchedulerStatsRecorder
 
 
 class LLMEngine:
@@ -97,7 +114,15 @@ class LLMEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self.scheduler_stats: Any = None
+        """The engine core's latest ``SchedulerStats`` (sent with each step's outputs)."""
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**args), stat_loggers=[_recorder(self)]
+        )
+
+    def unfinished_requests(self) -> int:
+        """Requests this engine has not finished or aborted (vLLM's output processor)."""
+        return self.engine.output_processor.get_num_unfinished_requests()
 
     @classmethod
     def for_model(cls, ctx: ModelContext, role: LLMRole) -> LLMEngine:
@@ -112,11 +137,13 @@ class LLMEngine:
         """Yield vLLM ``RequestOutput`` deltas for a vLLM prompt dict (text or token ids,
         ``multi_modal_data``, ``multi_modal_uuids``, ``cache_salt``); vLLM's input errors
         become ``InvalidRequest``."""
+        from vllm.exceptions import VLLMClientError
+
         rid = request_id or uuid.uuid4().hex
         try:
             async for out in self.engine.generate(prompt, sampling, rid):
                 yield out
-        except ValueError as exc:  # vLLM's input validation (length, mm limits)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's input checks (length, limits)
             raise InvalidRequest(str(exc)) from None
 
     async def check_health(self) -> None:

@@ -121,6 +121,32 @@ class MetricsPublisher:
         self._families.clear()
 
 
+def publish_engine(metrics: MetricsPublisher, engine: Any, role: str) -> None:
+    """Gauges of one vLLM engine (an ``llm.LLMEngine``): what it is still working on."""
+    metrics.gauge(
+        "epd_engine_unfinished_requests",
+        "Requests the vLLM engine has neither finished nor aborted",
+        engine.unfinished_requests,
+        role=role,
+    )
+
+    def scheduler(field: str) -> Callable[[], float]:
+        return lambda: getattr(engine.scheduler_stats, field, 0.0)
+
+    metrics.gauge(
+        "epd_engine_running_requests",
+        "Requests the engine core scheduled in its latest step",
+        scheduler("num_running_reqs"),
+        role=role,
+    )
+    metrics.gauge(
+        "epd_engine_kv_cache_usage",
+        "Fraction of the engine's KV cache blocks in use after its latest step",
+        scheduler("kv_cache_usage"),
+        role=role,
+    )
+
+
 CACHE_GAUGES = {
     "entries": "Embeddings held in the encoder cache, pinned or not",
     "pinned_handles": "Handles lent out by the encoder and not yet pulled",

@@ -30,6 +30,7 @@ from orchestrator.protocol import (
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
+    SamplingOptions,
     StageUnreachable,
     Unavailable,
     from_tensor,
@@ -131,7 +132,7 @@ class EPDPipeline:
             image_tokens = [h.layout.tokens for h in handles]
             self.prompts.check_budget(prompt, image_tokens, request.sampling.max_tokens)
             try:
-                result = await self._prefill(prompt, handles, ctx)
+                result = await self._prefill_to_the_end(prompt, handles, ctx)
             except Unavailable as exc:
                 if not handles or isinstance(exc, StageUnreachable | DeadlineExceeded | Overloaded):
                     raise
@@ -146,7 +147,7 @@ class EPDPipeline:
                         self.reuse.forget_server(name)
                 await self._release(handles, holders)
                 handles, holders = await self._encode_all(request.images, ctx)
-                result = await self._prefill(prompt, handles, ctx)
+                result = await self._prefill_to_the_end(prompt, handles, ctx)
         except BaseException:
             # Whatever prefill did not pull would stay pinned until its TTL otherwise
             # (also when the client cancelled: the handles go at once).
@@ -181,7 +182,8 @@ class EPDPipeline:
                 route.mark_down(name, str(exc))
             if first and decode.kv_transfer_params:
                 # Decode may never have admitted the request: free prefill's KV now.
-                await self._cleanup(self._abandon(name, decode))
+                kv_params = decode.kv_transfer_params
+                await self._cleanup(self._abandon(ctx.request_id, kv_params, name))
             raise
         self.seconds["request"].observe(time.perf_counter() - start)
 
@@ -193,13 +195,40 @@ class EPDPipeline:
         except Exception as exc:  # noqa: BLE001 - logged; the request's own error wins
             log.warning("cleanup after a failed request did not finish: %s", exc)
 
-    async def _abandon(self, name: str, decode: DecodeRequest) -> None:
-        """Tell decode server ``name`` to free prefill's KV for a request it will not run."""
-        ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S, f"{decode.request_id}-x")
-        message = decode.model_copy(update={"request_id": ctx.request_id, "abandon": True})
+    async def _abandon(self, request_id: str, kv_params: dict, name: str | None = None) -> None:
+        """Have a decode server (``name``, or any) tell prefill's engine to free the KV it
+        holds for a request that will not be decoded (vLLM's rejected-transfer notice)."""
+        name = name or self.routes["decode"].choose()
+        ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S, f"{request_id}-x")
+        message = DecodeRequest(
+            request_id=ctx.request_id,
+            prompt="",
+            sampling=SamplingOptions(),
+            kv_transfer_params=kv_params,
+            abandon=True,
+        )
         client = self.routes["decode"].targets[name]
         async for _ in client.call("decode", to_tensor("request", message), ["text_output"], ctx):
             pass
+
+    async def _prefill_to_the_end(
+        self, prompt: str, handles: list[EmbeddingHandle], ctx: RequestContext
+    ) -> PrefillResult:
+        """Prefill; if the client cancels meanwhile, prefill is let finish (Dynamo's "stop",
+        not "kill"): only its answer says which KV it now holds for decode, and that KV is
+        then freed at once instead of at the end of vLLM's KV lease. Past
+        ``CLEANUP_TIMEOUT_S`` it is killed (vLLM aborts it, which frees its KV too)."""
+        call = asyncio.ensure_future(self._prefill(prompt, handles, ctx))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            try:
+                result = await asyncio.wait_for(call, CLEANUP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - failed or killed: nothing left to free
+                raise asyncio.CancelledError from None
+            if result.kv_transfer_params:
+                await self._cleanup(self._abandon(ctx.request_id, result.kv_transfer_params))
+            raise
 
     async def _encode_all(
         self, images: list[bytes], ctx: RequestContext
@@ -208,8 +237,11 @@ class EPDPipeline:
         any image fails, or the request is cancelled, the handles issued are released
         before the error is raised. (A cancel that lands while an encoder is answering can
         miss that one handle: its TTL is the backstop.)"""
+        contacted: set[str] = set()
         tasks = [
-            asyncio.ensure_future(self._encode_one(image, f"image {i + 1} of {len(images)}", ctx))
+            asyncio.ensure_future(
+                self._encode_one(image, f"image {i + 1} of {len(images)}", ctx, contacted)
+            )
             for i, image in enumerate(images)
         ]
         try:
@@ -224,18 +256,28 @@ class EPDPipeline:
                 task.cancel()
             await asyncio.wait(tasks) if tasks else None
             ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            await self._cleanup(self._release([h for h, _ in ok], [n for _, n in ok]))
+            handles, holders = [h for h, _ in ok], [n for _, n in ok]
+            # By request id too: an encoder may have issued a handle whose answer we no
+            # longer wait for (cancelled meanwhile).
+            await self._cleanup(self._release(handles, holders, ctx.request_id, contacted))
             raise
 
-    async def _release(self, handles: list[EmbeddingHandle], holders: list[str]) -> None:
-        """Unpin handles at their encoders now (best effort: a dead encoder's pins die with
-        it, and TTL stays the backstop). Ids already pulled are ignored there."""
-        by_server: dict[str, list[str]] = {}
+    async def _release(
+        self,
+        handles: list[EmbeddingHandle],
+        holders: list[str],
+        request_id: str | None = None,
+        contacted: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """Unpin handles at their encoders now, and with ``request_id`` every handle the
+        ``contacted`` encoders issued to that request (best effort: a dead encoder's pins
+        die with it, and TTL stays the backstop). Ids already pulled are ignored there."""
+        by_server: dict[str, list[str]] = {name: [] for name in contacted}
         for handle, name in zip(handles, holders, strict=True):
             by_server.setdefault(name, []).append(handle.handle_id)
 
         async def release(name: str, ids: list[str]) -> None:
-            message = to_tensor("release", ReleaseRequest(handle_ids=ids))
+            message = to_tensor("release", ReleaseRequest(handle_ids=ids, request_id=request_id))
             ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S)
             client = self.routes["encode"].targets[name]
             try:
@@ -246,16 +288,16 @@ class EPDPipeline:
         await asyncio.gather(*(release(name, ids) for name, ids in by_server.items()))
 
     async def _encode_one(
-        self, image: bytes, which: str, ctx: RequestContext
+        self, image: bytes, which: str, ctx: RequestContext, contacted: set[str]
     ) -> tuple[EmbeddingHandle, str]:
         """Encode one image; a bad image is ``InvalidRequest`` naming it (``which``)."""
         try:
-            return await self._encode_on_some_encoder(image, ctx)
+            return await self._encode_on_some_encoder(image, ctx, contacted)
         except InvalidRequest as exc:
             raise type(exc)(f"{which}: {exc}") from None
 
     async def _encode_on_some_encoder(
-        self, image: bytes, ctx: RequestContext
+        self, image: bytes, ctx: RequestContext, contacted: set[str]
     ) -> tuple[EmbeddingHandle, str]:
         route = self.routes["encode"]
         key = hashlib.sha256(image).hexdigest()  # cheap; the encoder keys by decoded pixels
@@ -270,14 +312,15 @@ class EPDPipeline:
                 break
             if self.reuse.max_entries:
                 self.reuse.record(key, name)
+            contacted.add(name)
             try:
                 with route.use(name) as encoder:
                     images = {"image": np.array([image], dtype=np.object_)}
                     out = await encoder.call_one("encode", images, ["handles"], ctx)
                 return from_tensor(out, "handles", EncodeResult).handles[0], name
-            except (Overloaded, DeadlineExceeded):
-                raise  # the deployment pushes back / time is up: another encoder won't help
-            except Unavailable as exc:
+            except DeadlineExceeded:
+                raise  # time is up: another encoder won't help
+            except Unavailable as exc:  # down, or its cache full: another one may do
                 self.reuse.forget(key, name)
                 if isinstance(exc, StageUnreachable):
                     route.mark_down(name, str(exc))

@@ -119,7 +119,10 @@ class ReleaseRequest(_Wire):
     """Front -> encoder: handles whose request ended before prefill pulled them (a sibling
     image failed, the prompt did not fit, prefill failed): unpin them now, not at TTL."""
 
-    handle_ids: list[str] = Field(max_length=1024)
+    handle_ids: list[str] = Field(default_factory=list, max_length=1024)
+    request_id: str | None = None
+    """Also every handle issued so far to the encode calls of this request: the ones whose
+    answers never reached the front because it was cancelled meanwhile."""
 
 
 class PrefillResult(_Wire):
@@ -134,15 +137,45 @@ class PrefillResult(_Wire):
 
 
 class SamplingOptions(_Wire):
-    """User-facing sampling parameters (the ``sampling_parameters`` JSON input)."""
+    """User-facing sampling parameters (the ``sampling_parameters`` JSON input): vLLM's
+    ``SamplingParams`` fields that apply to one streamed text answer, under the same names
+    (as Triton's vllm_backend takes them). Fields that would need another output shape
+    (``n`` > 1, log-probabilities) are refused with a message, never ignored; vLLM checks
+    the combination again when the engine gets the request."""
 
     max_tokens: int = Field(default=16, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
+    """0 is greedy (vLLM's default is 1.0; ours keeps answers reproducible)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     """0 or -1 disable top-k."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=300
+    )
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=4096)
+    bad_words: list[str] | None = Field(default=None, max_length=64)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: Literal[1] = 1
+    """One answer per request: ``text_output`` streams a single sequence."""
+
+    def vllm_kwargs(self) -> dict:
+        """Keyword arguments of vLLM's ``SamplingParams`` for these options."""
+        kwargs = self.model_dump(exclude={"n"})
+        kwargs["top_k"] = max(self.top_k, 0)
+        kwargs["stop"] = self.stop or None
+        kwargs["stop_token_ids"] = self.stop_token_ids or None
+        return kwargs
 
     @classmethod
     def parse(cls, raw: str | bytes | None) -> SamplingOptions:
@@ -157,10 +190,21 @@ class SamplingOptions(_Wire):
             raise InvalidRequest("sampling_parameters must be a JSON object")
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
+        for name, why in _UNSUPPORTED_SAMPLING.items():
+            if data.get(name) not in (None, 0, False):
+                raise InvalidRequest(f"sampling_parameters.{name} is not supported: {why}")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise InvalidRequest(f"invalid sampling_parameters: {describe(exc)}") from None
+
+
+_UNSUPPORTED_SAMPLING = {
+    "logprobs": "text_output carries text only",
+    "prompt_logprobs": "text_output carries text only",
+    "structured_outputs": "guided decoding is not enabled in this deployment",
+    "best_of": "one answer per request",
+}
 
 
 class PrefillRequest(_Wire):

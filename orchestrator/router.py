@@ -99,7 +99,7 @@ class StageRoute:
         try:
             ready = await asyncio.wait_for(self.targets[name].ready(self.stage), timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
-            ready, why = False, f"readiness probe failed: {exc or type(exc).__name__}"
+            ready, why = False, f"readiness probe failed: {str(exc) or type(exc).__name__}"
         else:
             why = "not ready"
         if ready:

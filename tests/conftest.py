@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.auth import SECRET_ENV, new_secret
 from orchestrator.config import ServerSpec, Topology
 from orchestrator.ports import free_ports
 
@@ -19,6 +21,10 @@ from orchestrator.ports import free_ports
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
+
+# One deployment secret for every stack the tests start, so tests can sign internal calls
+# (and forge badly signed ones) like a stage of the deployment would.
+os.environ.setdefault(SECRET_ENV, new_secret())
 
 # A CI runner or a person stopping the suite with SIGTERM must still get the fixtures'
 # teardown (servers stopped, network namespaces deleted); pytest does that on Ctrl-C only.

@@ -33,15 +33,15 @@ def preflight(topology: Topology) -> ModelFamily:
     return family
 
 
-def deployment_secret(starts_all: bool, env: Mapping[str, str] = os.environ) -> str:
-    """The deployment's secret: ``EPD_DEPLOYMENT_SECRET`` when set; else a new one when
-    this process starts every server (a single box); else ``ValueError``: the servers of
-    a multi-host deployment must share one, so it cannot be made up here."""
+def deployment_secret(shared: bool, env: Mapping[str, str] = os.environ) -> str:
+    """The deployment's secret: ``EPD_DEPLOYMENT_SECRET`` when set; else a new one, unless
+    it must be ``shared`` with servers this process does not start (internal stages on
+    other hosts): then ``ValueError`` saying how to set it."""
     secret = env.get(SECRET_ENV)
     if secret:
         DeploymentKey(secret)  # long enough
         return secret
-    if starts_all:
+    if not shared:
         return new_secret()
     raise ValueError(
         f"set {SECRET_ENV} to the same secret on every host of this deployment "
@@ -100,7 +100,10 @@ class Deployment:
         if unknown:
             raise ValueError(f"no such server(s) in the topology: {sorted(unknown)}")
         self.family = preflight(topology)
-        self.secret = deployment_secret(starts_all=not only or set(only) == set(topology.servers))
+        internal = any(set(spec.stages) - PUBLIC_STAGES for spec in topology.servers.values())
+        self.secret = deployment_secret(
+            shared=internal and bool(only) and set(only) != set(topology.servers)
+        )
         self.progress = progress
         self.topology = topology
         self.local = {n: s for n, s in topology.servers.items() if not only or n in only}

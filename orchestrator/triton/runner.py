@@ -113,6 +113,22 @@ class DecoupledModelRunner:
         self.handler: StageHandler = asyncio.run_coroutine_threadsafe(
             make_handler(ctx), self._loop
         ).result(start_timeout_s)
+        self.stopped = {"cancelled": 0, "deadline": 0}
+        self._metrics = asyncio.run_coroutine_threadsafe(self._publish(ctx), self._loop).result(30)
+
+    async def _publish(self, ctx: ModelContext) -> Any:
+        from orchestrator.metrics import MetricsPublisher
+
+        metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "model": self.model})
+        for reason in self.stopped:
+            metrics.counter(
+                "epd_requests_stopped_total",
+                "Requests stopped before their end: the client cancelled, or the deadline passed",
+                lambda r=reason: self.stopped[r],
+                reason=reason,
+            )
+        metrics.start()
+        return metrics
 
     def submit(self, requests: list[Any]) -> None:
         """Schedule every request on the loop; responses go out through their senders."""
@@ -144,6 +160,7 @@ class DecoupledModelRunner:
     async def _serve(self, call: _Call) -> None:
         pb, sender = self._pb, call.sender
         ctx = self._context(call)
+        ctx.client_gone = sender.is_cancelled
         task = asyncio.current_task()
         assert task is not None
         self._live[task] = (ctx, sender)
@@ -167,6 +184,7 @@ class DecoupledModelRunner:
             if stopped is None:  # the loop is shutting down, not our watcher
                 raise
             task.uncancel()
+            self.stopped["cancelled" if ctx.cancelled else "deadline"] += 1
             self._send_error(sender, stopped, ctx)
         except Exception as exc:  # every failure must reach the client, never the loop
             self._send_error(sender, exc, ctx)
@@ -223,10 +241,16 @@ class DecoupledModelRunner:
         if self._inflight:
             concurrent.futures.wait(list(self._inflight), timeout=drain_timeout_s)
         try:
-            asyncio.run_coroutine_threadsafe(self.handler.close(), self._loop).result(30)
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+    async def _close(self) -> None:
+        try:
+            await self._metrics.stop()
+        finally:
+            await self.handler.close()
 
 
 @dataclass(frozen=True)

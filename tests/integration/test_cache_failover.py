@@ -23,6 +23,7 @@ from orchestrator.client import generate, generate_body, sample_photo
 from orchestrator.config import Topology, TransferSpec
 from orchestrator.triton.deployment import Deployment
 from tests.conftest import cache_metrics, encoder_passes, local_topology, scrape, wait_unpinned
+from tests.integration.internal import call_internal
 
 pytestmark = pytest.mark.server
 
@@ -173,29 +174,17 @@ def test_same_pixels_in_another_encoding_hit_the_cache(stack):
 
 
 def _encode_directly(topology: Topology, server: str, images: list[bytes]) -> dict:
-    """Call one encoder's ``encode`` model: the handles it answers stay pinned, unpulled."""
-    import tritonclient.grpc as grpcclient
-
-    spec = topology.servers[server]
-    results: list = []
-    with grpcclient.InferenceServerClient(spec.grpc_url) as client:
-        tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
-        tensor.set_data_from_numpy(np.array(images, dtype=np.object_))
-        client.start_stream(callback=lambda result, error: results.append((result, error)))
-        client.async_stream_infer("encode", [tensor])
-        deadline = time.monotonic() + 60
-        while not results and time.monotonic() < deadline:
-            time.sleep(0.05)
-        client.stop_stream()
-    result, error = results[0]
-    if error is not None:
-        raise error
-    return json.loads(result.as_numpy("handles").reshape(-1)[0])
+    """Call one encoder's ``encode`` model as the front does (signed): the handles it
+    answers stay pinned, unpulled."""
+    [response] = call_internal(
+        topology.servers[server], "encode", {"image": np.array(images, dtype=np.object_)}
+    )
+    return json.loads(response["handles"].reshape(-1)[0])
 
 
-def test_full_cache_fails_with_unavailable_then_recovers(stack):
+def test_full_cache_fails_with_overloaded_then_recovers(stack):
     """Every slot of both encoders pinned by handles nobody pulls: a request for a new image
-    waits its bounded time on each encoder, fails UNAVAILABLE saying the encoder cache is
+    waits its bounded time on each encoder, fails OVERLOADED saying the encoder cache is
     full, the servers stay up, and once the handles expire the same request succeeds."""
     topology = stack.topology
     for i, name in enumerate(ENCODERS):
@@ -214,7 +203,7 @@ def test_full_cache_fails_with_unavailable_then_recovers(stack):
     message = json.loads(failure.value.read())["error"]
     # Triton 2.51's generate endpoint answers 400 for every model error; the code rides in
     # the message (decoupled models' stream errors carry no status either).
-    assert message.startswith("UNAVAILABLE: encoder cache is full"), message
+    assert message.startswith("OVERLOADED: encoder cache is full"), message
     assert "3 handles pinned and not yet pulled (waited 1s for room)" in message
     assert elapsed < 15, elapsed  # 1 s of waiting per encoder, not a hang
     for name in ENCODERS:
