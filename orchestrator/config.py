@@ -65,6 +65,11 @@ class ServerSpec(_Spec):
     netns: str | None = None
     """Linux network namespace to start the server in (``ip netns exec``): separate hosts
     on one machine, as the multi-host tests use; ``None`` = this process's namespace."""
+    triton: Path | None = None
+    """Root of the full Triton install this server runs (``bin/tritonserver``,
+    ``backends/``). Default: ``$EPD_TRITON_PATH``, else ``/opt/tritonserver`` (NVIDIA's
+    container) when present, else the 2.51 server of the nvidia-pytriton wheel (python
+    backend only: enough on CPU, not for the TensorRT encoder)."""
 
     @property
     def bind_address(self) -> str:

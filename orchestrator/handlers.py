@@ -43,7 +43,7 @@ Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
 
 ISSUED_REQUESTS_REMEMBERED = 1 << 12
-"""Requests whose handles an encoder can release by request id (after that: the TTL)."""
+"""Requests an encoder remembers for release by request id (older ones: the TTL)."""
 USED_HANDLES_REMEMBERED = 1 << 16
 """Handle ids a prefill server remembers to refuse a replay (a few MB at most)."""
 
@@ -51,6 +51,14 @@ USED_HANDLES_REMEMBERED = 1 << 16
 async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
     async for out in outputs:
         yield out.outputs[0].text
+
+
+def _remember(memory: OrderedDict, key: str, value: Any) -> None:
+    """Set ``key`` as the most recent entry of a bounded memory of recent requests."""
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > ISSUED_REQUESTS_REMEMBERED:
+        memory.popitem(last=False)
 
 
 class EncodeHandler:
@@ -83,6 +91,9 @@ class EncodeHandler:
         self._encoding: dict[str, asyncio.Future] = {}  # content hash -> its encoder pass
         self.issued: OrderedDict[str, list[str]] = OrderedDict()
         """Handle ids issued per request id (the latest requests only)."""
+        self.released: OrderedDict[str, None] = OrderedDict()
+        """Requests the front released by id (the latest only): a handle still being made
+        for one of them is released as soon as it exists."""
         self.metrics = MetricsPublisher(
             ctx.pb_utils, {"server": ctx.server, "transport": spec.kind}
         )
@@ -129,13 +140,6 @@ class EncodeHandler:
                     raise Overloaded(f"{exc} (waited {self.full_wait_s:g}s for room)") from None
             await asyncio.sleep(0.01)
 
-    def _record(self, request_id: str, handle_id: str) -> None:
-        """Remember which request a handle went to, so the front can release by request."""
-        self.issued.setdefault(request_id, []).append(handle_id)
-        self.issued.move_to_end(request_id)
-        while len(self.issued) > ISSUED_REQUESTS_REMEMBERED:
-            self.issued.popitem(last=False)
-
     def _signed(self, handle: EmbeddingHandle) -> EmbeddingHandle:
         return handle.model_copy(update={"signature": self.key.handle_signature(handle)})
 
@@ -164,7 +168,12 @@ class EncodeHandler:
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         if "release" in inputs:  # a request ended before its handles were pulled
             release = from_tensor(inputs, "release", ReleaseRequest)
-            ids = [*release.handle_ids, *self.issued.pop(release.request_id or "", [])]
+            ids = list(release.handle_ids)
+            if release.request_id:
+                ids += self.issued.pop(release.request_id, [])
+                # An encode of that request still running here (its cancel lost or not
+                # arrived yet) must not leave a handle behind when it finishes.
+                _remember(self.released, release.request_id, None)
             for handle_id in ids:
                 self.producer.release(handle_id)
             yield to_tensor("handles", EncodeResult(handles=[]))
@@ -180,9 +189,11 @@ class EncodeHandler:
                 which = f"image {i}" if len(images) > 1 else ""
                 image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
                 handles.append(await self._handle(image, digest, ctx))
-                self._record(ctx.request_id, handles[-1].handle_id)
-            if ctx.client_gone():  # cancelled while we encoded: nobody will pull these
-                raise Cancelled(f"request {ctx.request_id} was cancelled by the client")
+                self.issued.setdefault(ctx.request_id, []).append(handles[-1].handle_id)
+                _remember(self.issued, ctx.request_id, self.issued[ctx.request_id])
+            # Released or cancelled while we encoded: nobody will pull these.
+            if ctx.request_id in self.released or ctx.client_gone():
+                raise Cancelled(f"request {ctx.request_id} ended while its image was encoded")
         except BaseException:
             for handle in handles:
                 self.producer.release(handle.handle_id)

@@ -9,6 +9,7 @@ embeddings itself, decode pulls the KV itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -214,11 +215,15 @@ class EPDPipeline:
     async def _prefill_to_the_end(
         self, prompt: str, handles: list[EmbeddingHandle], ctx: RequestContext
     ) -> PrefillResult:
-        """Prefill; if the client cancels meanwhile, prefill is let finish (Dynamo's "stop",
-        not "kill"): only its answer says which KV it now holds for decode, and that KV is
-        then freed at once instead of at the end of vLLM's KV lease. Past
-        ``CLEANUP_TIMEOUT_S`` it is killed (vLLM aborts it, which frees its KV too)."""
-        call = asyncio.ensure_future(self._prefill(prompt, handles, ctx))
+        """Prefill; if the request is stopped meanwhile (client cancel, deadline), prefill
+        is let finish (Dynamo's "stop", not "kill"): only its answer says which KV it now
+        holds for decode, and that KV is then freed at once instead of at the end of vLLM's
+        KV lease. Past ``CLEANUP_TIMEOUT_S`` it is killed (vLLM aborts it, which frees its
+        KV too)."""
+        # The call itself may outlive the request by that bound: when the deadline stops the
+        # request, prefill (which enforces what we pass it) must not stop at the same time.
+        grace = dataclasses.replace(ctx, deadline=ctx.deadline + CLEANUP_TIMEOUT_S)
+        call = asyncio.ensure_future(self._prefill(prompt, handles, grace))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:

@@ -19,7 +19,7 @@ from orchestrator.config import PUBLIC_STAGES, Topology
 from orchestrator.families import ModelFamily
 from orchestrator.ports import free_ports
 from orchestrator.triton.repository import render
-from orchestrator.triton.server import TritonServer
+from orchestrator.triton.server import TritonInstall, TritonServer
 
 
 def preflight(topology: Topology) -> ModelFamily:
@@ -31,6 +31,24 @@ def preflight(topology: Topology) -> ModelFamily:
     if topology.servers_of("encode"):
         pool_bytes_for(topology.transfer.pool_bytes, family.max_image_bytes())
     return family
+
+
+def triton_installs(
+    topology: Topology,
+    servers: list[str],
+    find: Callable[[Path | None], TritonInstall] = TritonInstall.find,
+) -> dict[str, TritonInstall]:
+    """The Triton each of ``servers`` runs (``find`` picks it from the server's
+    ``triton``), checked against what it hosts: a TensorRT vision encoder needs an install
+    with the TensorRT backend (``ValueError`` otherwise)."""
+    installs = {}
+    for name in servers:
+        spec = topology.servers[name]
+        install = find(spec.triton)
+        if "encode" in spec.stages and topology.encoder.runtime == "tensorrt":
+            install.require_backend("tensorrt", f"server {name!r} (encoder.runtime tensorrt)")
+        installs[name] = install
+    return installs
 
 
 def deployment_secret(shared: bool, env: Mapping[str, str] = os.environ) -> str:
@@ -107,6 +125,7 @@ class Deployment:
         self.progress = progress
         self.topology = topology
         self.local = {n: s for n, s in topology.servers.items() if not only or n in only}
+        self.installs = triton_installs(topology, list(self.local))
         self.workdir = workdir.resolve()
         self.servers: dict[str, TritonServer] = {}
         self._lock: int | None = None
@@ -160,12 +179,16 @@ class Deployment:
                     env={**spec.env, SECRET_ENV: self.secret},
                     edge_token=DeploymentKey(self.secret).edge_token,
                     internal_only=not PUBLIC_STAGES & set(spec.stages),
+                    install=self.installs[name],
                     netns=spec.netns,
                     cpus=spec.cpus,
                 )
                 self.servers[name] = server
                 server.start()
-                say(f"  {name}: starting ({', '.join(spec.stages)}), log {server.log_path}")
+                say(
+                    f"  {name}: starting ({', '.join(spec.stages)}) on "
+                    f"{self.installs[name].describe()}, log {server.log_path}"
+                )
             for name, server in self.servers.items():
                 server.wait_ready(timeout_s)
                 say(f"  {name}: ready after {time.monotonic() - started:.1f} s")

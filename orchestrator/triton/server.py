@@ -1,4 +1,5 @@
-"""Start and stop a real ``tritonserver`` process from the nvidia-pytriton wheel.
+"""Start and stop a real ``tritonserver`` process: a full install when there is one, else
+the one inside the nvidia-pytriton wheel.
 
 The wheel carries Triton 2.51 with only the python backend. The stub picks its Python from
 the first ``python3`` on PATH, so the current interpreter's ``bin/`` goes first, and
@@ -18,9 +19,10 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pytriton
 
@@ -36,26 +38,81 @@ def _terminate_with_parent() -> None:
     _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+FULL_INSTALL_ENV = "EPD_TRITON_PATH"
+FULL_INSTALL_DEFAULT = Path("/opt/tritonserver")
+"""Where NVIDIA's Triton containers install the server."""
+
+
 @dataclass(frozen=True)
 class TritonInstall:
-    """Paths of the Triton server shipped inside the nvidia-pytriton wheel."""
+    """A ``tritonserver`` to run: a full install (NVIDIA's container or a path given), or
+    the 2.51 server inside the nvidia-pytriton wheel (python backend only: the CPU
+    fallback, what CI and ``make serve`` run)."""
 
     root: Path
+    """Folder holding ``bin/tritonserver``."""
+    kind: Literal["full", "wheel"]
 
     @classmethod
-    def find(cls) -> TritonInstall:
-        return cls(Path(pytriton.__file__).parent / "tritonserver")
+    def find(
+        cls,
+        configured: Path | None = None,
+        env: Mapping[str, str] = os.environ,
+        default: Path = FULL_INSTALL_DEFAULT,
+    ) -> TritonInstall:
+        """``configured`` (a server's ``triton`` in the topology), else ``$EPD_TRITON_PATH``,
+        else ``/opt/tritonserver`` when it holds a server, else the wheel's. A path that
+        is given but holds no ``bin/tritonserver`` is an error, not a silent fallback."""
+        given = configured or (Path(env[FULL_INSTALL_ENV]) if env.get(FULL_INSTALL_ENV) else None)
+        if given is not None:
+            if not (given / "bin" / "tritonserver").is_file():
+                raise ValueError(f"no Triton server at {given} (expected bin/tritonserver)")
+            return cls(given, "full")
+        if (default / "bin" / "tritonserver").is_file():
+            return cls(default, "full")
+        return cls(Path(pytriton.__file__).parent / "tritonserver", "wheel")
 
     @property
     def binary(self) -> Path:
         return self.root / "bin" / "tritonserver"
 
     @property
-    def libs(self) -> Path:
-        return self.root.parent.parent / "nvidia_pytriton.libs"
+    def version(self) -> str:
+        """From the install's ``TRITON_VERSION`` file; the wheel has none (it is 2.51)."""
+        with contextlib.suppress(OSError):
+            return (self.root / "TRITON_VERSION").read_text().strip()
+        return "2.51.0" if self.kind == "wheel" else "unknown"
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "backends").iterdir() if p.is_dir())
+
+    def describe(self) -> str:
+        return (
+            f"Triton {self.version} ({self.kind}: {self.root}), "
+            f"backends: {', '.join(self.backends) or 'none'}"
+        )
+
+    def require_backend(self, backend: str, why: str) -> None:
+        if backend not in self.backends:
+            raise ValueError(
+                f"{why} needs Triton's {backend} backend; {self.describe()}. Point the "
+                f"server's `triton` (or ${FULL_INSTALL_ENV}) at a full install, e.g. "
+                "NVIDIA's tritonserver container's /opt/tritonserver"
+            )
+
+    @property
+    def libs(self) -> list[str]:
+        """Library folders the server needs on ``LD_LIBRARY_PATH``."""
+        if self.kind == "wheel":
+            return [str(self.root.parent.parent / "nvidia_pytriton.libs")]
+        return [str(self.root / "lib")]
 
     def backend_dir(self, scratch: Path) -> Path:
-        """A ``backends/`` folder whose python backend uses the stub of this Python."""
+        """The backends folder to run with. The wheel's python backend gets a folder whose
+        stub is the one built for this Python; a full install's is used as it is."""
+        if self.kind == "full":
+            return self.root / "backends"
         python = scratch / "backends" / "python"
         python.mkdir(parents=True, exist_ok=True)
         ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -95,12 +152,13 @@ class TritonServer:
     """Value of ``auth.EDGE_HEADER`` that Triton demands on restricted APIs (None: none)."""
     internal_only: bool = False
     """The server hosts no public entry point: inference needs the header too."""
+    install: TritonInstall = field(default_factory=TritonInstall.find)
     exit_timeout_s: int = 15
     _proc: subprocess.Popen | None = None
     _scratch: tempfile.TemporaryDirectory | None = None
 
     def start(self) -> None:
-        install = TritonInstall.find()
+        install = self.install
         self._scratch = tempfile.TemporaryDirectory(prefix="epd-triton-")
         backends = install.backend_dir(Path(self._scratch.name))
         bindir = str(Path(sys.executable).parent)
@@ -108,7 +166,7 @@ class TritonServer:
             **os.environ,
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
             "LD_LIBRARY_PATH": os.pathsep.join(
-                [str(install.libs), sysconfig.get_config_var("LIBDIR") or ""]
+                [*install.libs, sysconfig.get_config_var("LIBDIR") or ""]
             ),
             **self.env,
         }

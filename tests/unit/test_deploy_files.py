@@ -37,11 +37,16 @@ def compose_binary() -> Path:
     return binary
 
 
-def run_compose(file: Path, *args: str, model_dir: str | None) -> subprocess.CompletedProcess:
+def run_compose(
+    file: Path, *args: str, model_dir: str | None, secret: str | None = "s" * 64
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
     env.pop("EPD_MODEL_DIR", None)
+    env.pop("EPD_DEPLOYMENT_SECRET", None)
     if model_dir is not None:
         env["EPD_MODEL_DIR"] = model_dir
+    if secret is not None:
+        env["EPD_DEPLOYMENT_SECRET"] = secret
     return subprocess.run(
         [str(compose_binary()), "-f", str(file), *args],
         capture_output=True,
@@ -76,6 +81,9 @@ def test_compose_config_quiet_passes_and_needs_the_model_dir(name, tmp_path):
     # No silent default for the model volume: the binary must refuse without it.
     missing = run_compose(file, "config", "--quiet", model_dir=None)
     assert missing.returncode != 0 and "EPD_MODEL_DIR" in missing.stderr
+    # Nor for the deployment secret every service must share.
+    unset = run_compose(file, "config", "--quiet", model_dir=str(tmp_path), secret=None)
+    assert unset.returncode != 0 and "EPD_DEPLOYMENT_SECRET" in unset.stderr
 
 
 def mounted_topology(service: dict) -> Path:
@@ -195,6 +203,7 @@ def test_manifests_validate_against_the_kubernetes_schemas():
         "Deployment",
         "Service",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
     }
     for doc in docs:
         # Strict: an unknown (misspelled) field is an error, from the schemas in the wheel.
@@ -224,6 +233,8 @@ def test_deployments_services_and_topology_agree(tmp_path):
         env = {e["name"]: e for e in container["env"]}
         assert env["EPD_SERVER"]["value"] == name
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        secret = env["EPD_DEPLOYMENT_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert secret == {"name": "epd-deployment", "key": "secret"}
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports == {
             "http": server.http_port,
@@ -274,3 +285,41 @@ def test_serve_script_binds_the_pod_ip(tmp_path):
         assert after.servers[name] == before.servers[name]
     assert after.model_dump(exclude={"servers"}) == before.model_dump(exclude={"servers"})
     assert 'exec epd serve --topology /tmp/epd/topology.yaml --server "$EPD_SERVER"' in script
+
+
+def _admitted(component: str) -> list[tuple[set[str] | None, set[str] | None]]:
+    """Ingress rules of the policy selecting ``component``: (from components, or None for
+    anyone / any namespace; ports by name, or None for every port)."""
+    [policy] = [
+        p
+        for p in by_kind("NetworkPolicy").values()
+        if p["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
+        == component
+    ]
+    rules = []
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        sources = (
+            None
+            if peers is None or any("namespaceSelector" in p for p in peers)
+            else {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers}
+        )
+        ports = {p["port"] for p in rule["ports"]} if "ports" in rule else None
+        rules.append((sources, ports))
+    return rules
+
+
+def test_network_policy_lets_only_the_front_in_and_only_stages_reach_transfers():
+    policies = by_kind("NetworkPolicy")
+    deny = policies["epd-default-deny"]["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}  # no rule: nothing in
+    assert _admitted("front") == [(None, {"http", "grpc"}), (None, {"metrics"})]
+    # stage gRPC from the front only; transfers (any port): prefill <- decode (in front)
+    assert _admitted("prefill") == [({"front"}, None), (None, {"metrics"})]
+    # encoders: gRPC from the front, NIXL reads (any port) from prefill
+    assert _admitted("encoder") == [({"front"}, {"grpc"}), ({"prefill"}, None), (None, {"metrics"})]
+    components = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        for d in by_kind("Deployment").values()
+    }
+    assert components == {"front", "prefill", "encoder"}  # every pod has its policy
