@@ -298,6 +298,16 @@ def cmd_bench_encoder(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from orchestrator.bench import soak
+
+    report = soak.run(_topology(args), args.requests, args.warmup, args.concurrency)
+    print(soak.format_report(report))
+    soak.write(report, Path(args.out), " ".join(sys.argv))
+    print(f"wrote {args.out}")
+    return 0 if not report.errors else 1
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     from orchestrator.bench import transfer
 
@@ -473,6 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("--request-timeout", type=float, default=300, help="seconds per request")
     cache.add_argument("--out", default=".cache/bench/cache.json", help="JSON report path")
     cache.set_defaults(func=cmd_bench_cache)
+
+    soak = bench.add_parser("soak", help="many mixed requests: errors and memory growth")
+    soak.add_argument("--topology", help="topology to run (default: the embedded one)")
+    soak.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    soak.add_argument("--requests", type=int, default=10_000, help="measured requests")
+    soak.add_argument("--warmup", type=int, default=300, help="requests before the baseline")
+    soak.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    soak.add_argument("--out", default=".cache/bench/soak.json", help="JSON report path")
+    soak.set_defaults(func=cmd_bench_soak)
 
     quick = bench.add_parser("quick", help="TTFT and throughput of epd vs aggregated")
     quick.add_argument("--url", help="gRPC HOST:PORT of a running front (default: start one)")

@@ -218,6 +218,13 @@ class TritonServer:
         return [f"--grpc-restricted-protocol={rule}", f"--http-restricted-api={rule}"]
 
     @property
+    def pid(self) -> int:
+        """The running server's process id (its process group: stubs, engine cores)."""
+        if self._proc is None:
+            raise RuntimeError("the server is not running")
+        return self._proc.pid
+
+    @property
     def url(self) -> str:
         host = self.host
         if host in ("0.0.0.0", "::"):
