@@ -127,25 +127,28 @@ def run(
             rss: dict[str, list[float]] = {name: [] for name in pids}
             sampled_at: list[int] = []
             step = max(1, requests // samples)
-            start = None
+            batches = [range(0, warmup)] + [
+                range(b, min(b + step, warmup + requests))
+                for b in range(warmup, warmup + requests, step)
+            ]
+            start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
-                for begin in range(0, warmup + requests, step):
-                    if begin >= warmup and start is None:
+                for batch in batches:
+                    if batch.start == warmup:
                         start = time.perf_counter()
-                    if begin >= warmup:
+                    if batch.start >= warmup:
                         for name, pid in pids.items():
                             rss[name].append(round(tree_rss_mib(pid), 1))
-                        sampled_at.append(begin - warmup)
-                    batch = range(begin, min(begin + step, warmup + requests))
+                        sampled_at.append(batch.start - warmup)
                     outcomes = pool.map(lambda i: (kinds[i], _one(url, kinds[i], i, photos)), batch)
                     for kind, outcome in outcomes:
                         if outcome.startswith("error"):
                             errors.append(outcome)
                             answers[f"{kind} error"] += 1
-                        else:
+                        elif batch.start >= warmup:
                             answers[f"{kind} {outcome}"] += 1
-                    progress(f"  {min(begin + step, warmup + requests)} requests answered")
-            wall = time.perf_counter() - (start or time.perf_counter())
+                    progress(f"  {batch.stop} requests answered")
+            wall = time.perf_counter() - start
             time.sleep(2)  # let cancelled work drain before the last sample
             for name, pid in pids.items():
                 rss[name].append(round(tree_rss_mib(pid), 1))
