@@ -53,11 +53,11 @@ async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
         yield out.outputs[0].text
 
 
-def _remember(memory: OrderedDict, key: str, value: Any) -> None:
-    """Set ``key`` as the most recent entry of a bounded memory of recent requests."""
+def _remember(memory: OrderedDict, key: str, value: Any, limit: int) -> None:
+    """Set ``key`` as the most recent entry of a memory that keeps the latest ``limit``."""
     memory[key] = value
     memory.move_to_end(key)
-    while len(memory) > ISSUED_REQUESTS_REMEMBERED:
+    while len(memory) > limit:
         memory.popitem(last=False)
 
 
@@ -173,7 +173,7 @@ class EncodeHandler:
                 ids += self.issued.pop(release.request_id, [])
                 # An encode of that request still running here (its cancel lost or not
                 # arrived yet) must not leave a handle behind when it finishes.
-                _remember(self.released, release.request_id, None)
+                _remember(self.released, release.request_id, None, ISSUED_REQUESTS_REMEMBERED)
             for handle_id in ids:
                 self.producer.release(handle_id)
             yield to_tensor("handles", EncodeResult(handles=[]))
@@ -189,8 +189,8 @@ class EncodeHandler:
                 which = f"image {i}" if len(images) > 1 else ""
                 image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
                 handles.append(await self._handle(image, digest, ctx))
-                self.issued.setdefault(ctx.request_id, []).append(handles[-1].handle_id)
-                _remember(self.issued, ctx.request_id, self.issued[ctx.request_id])
+                issued = [*self.issued.get(ctx.request_id, []), handles[-1].handle_id]
+                _remember(self.issued, ctx.request_id, issued, ISSUED_REQUESTS_REMEMBERED)
             # Released or cancelled while we encoded: nobody will pull these.
             if ctx.request_id in self.released or ctx.client_gone():
                 raise Cancelled(f"request {ctx.request_id} ended while its image was encoded")
@@ -304,9 +304,7 @@ class PrefillHandler:
         for handle in request.handles:
             self.check_handle(handle)
         for handle in request.handles:
-            self.used[handle.handle_id] = None
-            while len(self.used) > USED_HANDLES_REMEMBERED:
-                self.used.popitem(last=False)
+            _remember(self.used, handle.handle_id, None, USED_HANDLES_REMEMBERED)
         prompt: dict[str, Any] = {"prompt": request.prompt}
         if request.handles:
             embeds = await self._pull(request.handles)

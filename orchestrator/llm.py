@@ -151,7 +151,8 @@ class LLMEngine:
         try:
             await self.engine.check_health()
         except Exception as exc:  # noqa: BLE001 - EngineDeadError and kin
-            raise Unavailable(f"vLLM engine is not healthy: {exc or type(exc).__name__}") from None
+            why = str(exc) or type(exc).__name__
+            raise Unavailable(f"vLLM engine is not healthy: {why}") from None
 
     async def reject_kv_transfer(self, request_id: str, kv_transfer_params: dict) -> None:
         """Free the remote KV that ``kv_transfer_params`` point at without pulling it (vLLM

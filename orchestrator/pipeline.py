@@ -240,8 +240,8 @@ class EPDPipeline:
     ) -> tuple[list[EmbeddingHandle], list[str]]:
         """One handle per image (encoded in parallel) and the encoder that holds each; if
         any image fails, or the request is cancelled, the handles issued are released
-        before the error is raised. (A cancel that lands while an encoder is answering can
-        miss that one handle: its TTL is the backstop.)"""
+        before the error is raised -- by request id too, which also catches a handle whose
+        answer the cancelled call never read."""
         contacted: set[str] = set()
         tasks = [
             asyncio.ensure_future(
@@ -259,7 +259,8 @@ class EPDPipeline:
         except BaseException:
             for task in tasks:
                 task.cancel()
-            await asyncio.wait(tasks) if tasks else None
+            if tasks:
+                await asyncio.wait(tasks)
             ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
             handles, holders = [h for h, _ in ok], [n for _, n in ok]
             # By request id too: an encoder may have issued a handle whose answer we no

@@ -138,30 +138,6 @@ class GrpcStageClient(StageClient):
         self._headers = {GRPC_EDGE_HEADER: key.edge_token}
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
-    def _request(
-        self,
-        model: str,
-        inputs: Tensors,
-        outputs: list[str],
-        ctx: RequestContext,
-        parameters: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
-        mod = self._mod
-        infer_inputs = []
-        for name, value in inputs.items():
-            tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
-            tensor.set_data_from_numpy(value)
-            infer_inputs.append(tensor)
-        mac = self._key.sign_call(model, ctx.request_id, inputs)
-        return {
-            "model_name": model,
-            "inputs": infer_inputs,
-            "outputs": [mod.InferRequestedOutput(n) for n in outputs],
-            "request_id": ctx.request_id,
-            "timeout": max(1, int(ctx.remaining() * 1_000_000)),
-            "parameters": {MAC_PARAMETER: mac, **(parameters or {})},
-        }
-
     async def call(
         self,
         model: str,
@@ -170,7 +146,21 @@ class GrpcStageClient(StageClient):
         ctx: RequestContext,
         parameters: dict[str, str] | None = None,
     ) -> AsyncIterator[Tensors]:
-        request = self._request(model, inputs, outputs, ctx, parameters)
+        mod = self._mod
+        infer_inputs = []
+        for name, value in inputs.items():
+            tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
+            tensor.set_data_from_numpy(value)
+            infer_inputs.append(tensor)
+        mac = self._key.sign_call(model, ctx.request_id, inputs)
+        request = {
+            "model_name": model,
+            "inputs": infer_inputs,
+            "outputs": [mod.InferRequestedOutput(n) for n in outputs],
+            "request_id": ctx.request_id,
+            "timeout": max(1, int(ctx.remaining() * 1_000_000)),
+            "parameters": {MAC_PARAMETER: mac, **(parameters or {})},
+        }
 
         async def requests():
             yield request

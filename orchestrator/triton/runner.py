@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import locale
 import threading
-import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -202,14 +201,13 @@ class DecoupledModelRunner:
         try:
             while self._live:
                 await asyncio.sleep(WATCH_PERIOD_S)
-                now = time.monotonic()
                 for task, (ctx, sender) in list(self._live.items()):
                     if task.done() or ctx.cancelled or ctx.timed_out:
                         continue
                     if sender.is_cancelled():
                         ctx.cancelled = True
                         task.cancel()
-                    elif now >= ctx.deadline:
+                    elif ctx.expired():
                         ctx.timed_out = True
                         task.cancel()
         finally:
