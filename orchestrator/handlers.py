@@ -46,6 +46,8 @@ ISSUED_REQUESTS_REMEMBERED = 1 << 12
 """Requests an encoder remembers for release by request id (older ones: the TTL)."""
 USED_HANDLES_REMEMBERED = 1 << 16
 """Handle ids a prefill server remembers to refuse a replay (a few MB at most)."""
+ABANDONED_REQUESTS_REMEMBERED = 1 << 12
+"""Abandoned request ids a decode server remembers, to refuse them should they still come."""
 
 
 async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -357,6 +359,9 @@ class DecodeHandler:
         self.engine = LLMEngine.for_model(ctx, "decode")
         self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
         publish_engine(self.metrics, self.engine, "decode")
+        self.admitted: set[str] = set()
+        """Requests in this engine now (their KV may be on its way from prefill)."""
+        self.abandoned: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> DecodeHandler:
@@ -364,14 +369,26 @@ class DecodeHandler:
         handler.metrics.start()
         return handler
 
+    async def _abandon(self, request: DecodeRequest) -> None:
+        """Let prefill free the KV of a request that ended before its first token now,
+        instead of when its lease runs out (vLLM's pre-aborted request). Not when this
+        engine has the request: its READ may be in flight, and freeing the blocks under it
+        would stall or corrupt it; vLLM's abort of the request tells prefill itself."""
+        if request.request_id in self.admitted:
+            return
+        _remember(self.abandoned, request.request_id, None, ABANDONED_REQUESTS_REMEMBERED)
+        if request.kv_transfer_params:
+            await self.engine.reject_kv_transfer(
+                f"{request.request_id}-abandoned", request.kv_transfer_params
+            )
+
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: DecodeRequest = from_tensor(inputs, "request", DecodeRequest)
         if request.abandon:
-            # The request ended between prefill and decode: let prefill free its KV now
-            # instead of when its lease runs out (vLLM's pre-aborted request).
-            if request.kv_transfer_params:
-                await self.engine.reject_kv_transfer(request.request_id, request.kv_transfer_params)
+            await self._abandon(request)
             return
+        if request.request_id in self.abandoned:  # its KV is gone already
+            raise Cancelled(f"request {request.request_id} was abandoned before decode")
         try:
             prompt = self.family.decode_prompt(
                 request.prompt, request.prompt_token_ids, request.images, request.image_hashes
@@ -380,9 +397,13 @@ class DecodeHandler:
             raise InvalidRequest(str(exc)) from None
         extra = {"kv_transfer_params": request.kv_transfer_params}
         sampling = to_vllm_sampling(request.sampling, extra_args=extra)
-        outputs = self.engine.generate(prompt, sampling, request.request_id)
-        async for response in text_responses(text_deltas(outputs), stream=True):
-            yield response
+        self.admitted.add(request.request_id)
+        try:
+            outputs = self.engine.generate(prompt, sampling, request.request_id)
+            async for response in text_responses(text_deltas(outputs), stream=True):
+                yield response
+        finally:
+            self.admitted.discard(request.request_id)
 
     async def check_health(self) -> None:
         await self.engine.check_health()

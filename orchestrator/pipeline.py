@@ -202,7 +202,7 @@ class EPDPipeline:
         name = name or self.routes["decode"].choose()
         ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S, f"{request_id}-x")
         message = DecodeRequest(
-            request_id=ctx.request_id,
+            request_id=request_id,
             prompt="",
             sampling=SamplingOptions(),
             kv_transfer_params=kv_params,

@@ -230,8 +230,11 @@ class DecodeRequest(_Wire):
     sampling: SamplingOptions
     kv_transfer_params: dict | None = None
     abandon: bool = False
-    """The request ended after prefill and before decoding: decode only tells prefill's
-    engine to free the KV it holds for it (``kv_transfer_params``), and answers nothing."""
+    """The request ended after prefill and before its first token: unless decode's engine
+    already has it (then vLLM's own abort frees prefill's KV, or lets a READ in flight
+    finish first), decode tells prefill's engine to free the KV it holds for it
+    (``kv_transfer_params``), refuses the request should it still arrive, and answers
+    nothing."""
 
 
 class StageError(RuntimeError):
