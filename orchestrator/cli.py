@@ -16,7 +16,7 @@ PROFILES = list(get_args(Profile))
 FAMILIES = list(get_args(Family))
 
 if TYPE_CHECKING:
-    from orchestrator.config import ServerSpec
+    from orchestrator.triton.deployment import Deployment
 
 DEFAULT_MODEL = Path(".cache/models/tiny")
 DEFAULT_WORKDIR = Path(".cache/serve")
@@ -97,8 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for name, spec in deployment.local.items():
                 print(f"  {name:8s} http://{spec.http_url} grpc {spec.grpc_url}: {spec.stages}")
             print(f"logs: {deployment.workdir / 'logs'}", flush=True)
+            for front in deployment.openai.values():
+                print(_openai_example(f"{front.url}/v1", topology.served_model_name), flush=True)
             if args.demo:
-                _demo(deployment.local)
+                _demo(deployment)
             print("serving; Ctrl-C to stop", flush=True)
             threading.Event().wait()
     except KeyboardInterrupt:
@@ -109,15 +111,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(servers: dict[str, ServerSpec]) -> None:
-    """Send the README's request (a real photo) to ``epd`` and ``aggregated``; print both."""
+def _openai_example(base_url: str, model: str) -> str:
+    return f"""OpenAI API: {base_url}  (model "{model}"; "epd" and "aggregated" name each path)
+  curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{{
+    "model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": [
+      {{"type": "image_url", "image_url": {{
+        "url": "data:image/jpeg;base64,'"$(base64 -w0 photo.jpg)"'"}}}},
+      {{"type": "text", "text": "Describe this image."}}]}}]}}'
+  python -c 'import openai; print(openai.OpenAI(base_url="{base_url}", api_key="-")
+    .chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi"}}]))'"""
+
+
+def _demo(deployment: Deployment) -> None:
+    """Send the README's request (a real photo) to ``epd`` and ``aggregated``, and to the
+    OpenAI API; print the answers."""
+    import base64
+
     from orchestrator.client import generate, sample_photo
 
+    photo = sample_photo()
     for model in ("epd", "aggregated"):
-        hosts = [s for s in servers.values() if model in s.stages]
+        hosts = [s for s in deployment.local.values() if model in s.stages]
         for server in hosts:
-            text = generate(server.http_url, model, "Describe this image.", [sample_photo()], 16)
+            text = generate(server.http_url, model, "Describe this image.", [photo], 16)
             print(f"{model} answered: {text!r}", flush=True)
+    for front in deployment.openai.values():
+        import openai
+
+        url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+        content = [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this image."},
+        ]
+        answer = openai.OpenAI(base_url=f"{front.url}/v1", api_key="-").chat.completions.create(
+            model=deployment.topology.served_model_name,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=16,
+            temperature=0,
+        )
+        print(f"OpenAI API answered: {answer.choices[0].message.content!r}", flush=True)
 
 
 def cmd_encoder_export(args: argparse.Namespace) -> int:

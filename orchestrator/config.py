@@ -65,6 +65,10 @@ class ServerSpec(_Spec):
     netns: str | None = None
     """Linux network namespace to start the server in (``ip netns exec``): separate hosts
     on one machine, as the multi-host tests use; ``None`` = this process's namespace."""
+    openai_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of the OpenAI-compatible HTTP server (``/v1/chat/completions``) run beside this
+    server's Triton, on the same address; only on a server hosting ``epd`` or
+    ``aggregated``. ``None``: none here."""
     triton: Path | None = None
     """Root of the full Triton install this server runs (``bin/tritonserver``,
     ``backends/``). Default: ``$EPD_TRITON_PATH``, else ``/opt/tritonserver`` (NVIDIA's
@@ -103,8 +107,10 @@ class ServerSpec(_Spec):
         return f"{self.host}:{self.http_port}"
 
     @property
-    def ports(self) -> tuple[int, int, int]:
-        return (self.http_port, self.grpc_port, self.metrics_port)
+    def ports(self) -> tuple[int, ...]:
+        """Every port this server listens on."""
+        ports = (self.http_port, self.grpc_port, self.metrics_port)
+        return ports if self.openai_port is None else (*ports, self.openai_port)
 
 
 class TransferSpec(_Spec):
@@ -181,7 +187,9 @@ class Limits(_Spec):
     """Decoded size cap of one image (width x height from its header, checked at the edge
     and again by the encoder before decoding): decompression bombs stop here."""
     max_text_bytes: int = Field(default=1 << 20, gt=0)
-    """Size cap of ``text_input`` (UTF-8 bytes)."""
+    """Size cap of ``text_input``, or of all text in ``messages`` (UTF-8 bytes)."""
+    max_messages: int = Field(default=256, ge=1)
+    """Most turns in one ``messages`` conversation."""
     max_request_bytes: int = Field(default=64 << 20, gt=0)
     """Cap of text plus all images of one request."""
     request_timeout_s: float = Field(default=300.0, gt=0)
@@ -211,6 +219,24 @@ class RoutingSpec(_Spec):
     apart from their cache, so a failed encode is retried on another one)."""
 
 
+class OpenAISpec(_Spec):
+    """The OpenAI-compatible front (``/v1/chat/completions``) of servers with an
+    ``openai_port``: a client of their public Triton models."""
+
+    served_model_name: str | None = None
+    """Model name clients send; default: the checkpoint folder's name. It names the ``epd``
+    pipeline (``aggregated`` where the server hosts no ``epd``); ``epd`` and
+    ``aggregated`` are accepted too, to pick one by name."""
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    """Hosts whose ``http(s)`` image URLs the front fetches (exact names). Empty: only
+    ``data:`` URLs are accepted, the server fetches nothing on a client's behalf."""
+    media_timeout_s: float = Field(default=10.0, gt=0)
+    """Time limit of fetching one image URL (its size is capped by
+    ``limits.max_image_bytes``)."""
+    max_concurrent_requests: int = Field(default=256, ge=1)
+    """Requests in flight at once; more are answered 429 at once rather than queued."""
+
+
 class Topology(_Spec):
     """A whole deployment: servers, what each hosts, and the knobs of every stage."""
 
@@ -223,6 +249,11 @@ class Topology(_Spec):
     llm: LLMSpec = Field(default_factory=LLMSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     limits: Limits = Field(default_factory=Limits)
+    openai: OpenAISpec = Field(default_factory=OpenAISpec)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.openai.served_model_name or self.model.name
 
     @model_validator(mode="after")
     def _check(self) -> Topology:
@@ -248,9 +279,15 @@ class Topology(_Spec):
                     )
                 elif count < 1:
                     problems.append(f"server {name!r}: instances of {model!r} must be >= 1")
+        for name, server in self.servers.items():
+            if server.openai_port is not None and not PUBLIC_STAGES & set(server.stages):
+                problems.append(
+                    f"server {name!r} has an openai_port but hosts no entry point "
+                    "('epd' or 'aggregated') for it to call"
+                )
         seen: dict[tuple[str, int], str] = {}
         for name, server in self.servers.items():
-            if len(set(server.ports)) != 3:
+            if len(set(server.ports)) != len(server.ports):
                 problems.append(f"server {name!r} uses one port twice: {server.ports}")
             for port in set(server.ports):
                 other = seen.setdefault((server.host, port), name)
@@ -287,7 +324,8 @@ class Topology(_Spec):
 def default_topology(model: Path) -> Topology:
     """The embedded CPU default: encoder, prefill and decode+front as three local servers.
 
-    The front keeps Triton's default ports 8000/8001/8002 so stock clients just work.
+    The front keeps Triton's default ports 8000/8001/8002 so stock clients just work, and
+    serves the OpenAI API on 9000 (as Triton's own OpenAI frontend does).
     """
     return Topology(
         model=model,
@@ -302,6 +340,7 @@ def default_topology(model: Path) -> Topology:
                 http_port=8000,
                 grpc_port=8001,
                 metrics_port=8002,
+                openai_port=9000,
                 stages=["decode", "epd", "aggregated"],
             ),
         },

@@ -2,15 +2,22 @@
 
 Inputs follow Triton's vllm_backend conventions: ``text_input`` BYTES [1], ``image`` BYTES
 [-1] (encoded images, raw or base64), ``sampling_parameters`` BYTES [1] (JSON), ``stream``
-BOOL [1]; output ``text_output`` BYTES [1]. Everything here is validated before any stage
-does work, so bad input costs nothing and gets a message naming the problem.
+BOOL [1], and the optional outputs it offers (``return_finish_reason``,
+``return_num_input_tokens``, ``return_num_output_tokens`` BOOL [1] ask for
+``finish_reason``, ``num_input_tokens``, ``num_output_tokens``); output ``text_output``
+BYTES [1]. Beside ``text_input`` a request may send ``messages`` BYTES [1]: a chat as JSON
+(roles and content parts, ``{"type": "image"}`` where each ``image`` goes), which is what
+the OpenAI front sends. Everything here is validated before any stage does work, so bad
+input costs nothing and gets a message naming the problem.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,13 +28,33 @@ from orchestrator.protocol import InvalidRequest, SamplingOptions, TooLarge
 
 Tensors = dict[str, np.ndarray]
 
+CHAT_ROLES = ("system", "user", "assistant")
+"""Roles a ``messages`` turn may have (tool turns need tool calling, which is not served)."""
+
+
+@dataclass(frozen=True)
+class ExtraOutputs:
+    """Which of vllm_backend's optional outputs the client asked for."""
+
+    finish_reason: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+
+    @classmethod
+    def every(cls) -> ExtraOutputs:
+        return cls(True, True, True)
+
 
 @dataclass(frozen=True)
 class FrontRequest:
-    text: str
+    messages: list[dict[str, Any]]
+    """The chat in the form chat templates take: ``{"role", "content": [parts]}``, parts
+    ``{"type": "text", "text"}`` or ``{"type": "image"}`` (``text_input`` becomes one user
+    turn with its images first)."""
     images: list[bytes]
     sampling: SamplingOptions
     stream: bool
+    outputs: ExtraOutputs = ExtraOutputs()
 
 
 def bad_image(which: str, exc: ValueError) -> InvalidRequest:
@@ -46,28 +73,99 @@ def _scalar_bytes(inputs: Tensors, name: str) -> bytes | None:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
+def _flag(inputs: Tensors, name: str) -> bool:
+    if name not in inputs:
+        return False
+    flags = inputs[name].reshape(-1)
+    if flags.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one element")
+    return bool(flags[0])
+
+
+def _text(raw: bytes, name: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"{name} is not valid UTF-8") from None
+
+
+def parse_messages(raw: bytes, limits: Limits) -> tuple[list[dict[str, Any]], int, int]:
+    """The ``messages`` input as chat-template turns, the number of image parts in it and
+    its text's size in bytes; ``InvalidRequest`` naming the turn and part at fault."""
+    try:
+        turns = json.loads(_text(raw, "messages"))
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"messages is not valid JSON: {exc}") from None
+    if not isinstance(turns, list) or not turns:
+        raise InvalidRequest("messages must be a non-empty JSON list of turns")
+    if len(turns) > limits.max_messages:
+        raise TooLarge(f"{len(turns)} messages; this deployment accepts {limits.max_messages}")
+    messages, images, text_bytes = [], 0, 0
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise InvalidRequest(f"{where} must be an object with role and content")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"{where}.role is {role!r}; supported roles: {CHAT_ROLES}")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise InvalidRequest(f"{where}.content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+                text_bytes += len(part["text"].encode("utf-8"))
+            elif kind == "image":
+                parts.append({"type": "image"})
+                images += 1
+            else:
+                raise InvalidRequest(
+                    f"{where}.content[{j}] must be {{'type': 'text', 'text': str}} or "
+                    "{'type': 'image'} (the image itself goes in the image input)"
+                )
+        messages.append({"role": role, "content": parts})
+    if text_bytes > limits.max_text_bytes:
+        raise TooLarge(
+            f"messages hold {text_bytes} bytes of text; the limit is {limits.max_text_bytes}"
+        )
+    return messages, images, text_bytes
+
+
 def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
     """Validate the public inputs; raise ``InvalidRequest`` naming what is wrong."""
     raw_text = _scalar_bytes(inputs, "text_input")
-    if raw_text is None:
-        raise InvalidRequest("text_input is required")
-    try:
-        text = raw_text.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequest("text_input is not valid UTF-8") from None
-    if not text.strip():
-        raise InvalidRequest("text_input is empty")
-    if len(raw_text) > limits.max_text_bytes:
-        raise TooLarge(f"text_input is {len(raw_text)} bytes; the limit is {limits.max_text_bytes}")
-
+    raw_messages = _scalar_bytes(inputs, "messages")
+    if (raw_text is None) == (raw_messages is None):
+        raise InvalidRequest("send either text_input or messages (exactly one of them)")
     items = inputs["image"].reshape(-1) if "image" in inputs else []
+    if raw_messages is not None:
+        messages, placed, text_bytes = parse_messages(raw_messages, limits)
+        if placed != len(items):
+            raise InvalidRequest(
+                f"messages place {placed} image(s) but {len(items)} image input(s) were sent"
+            )
+    else:
+        assert raw_text is not None
+        text = _text(raw_text, "text_input")
+        if not text.strip():
+            raise InvalidRequest("text_input is empty")
+        text_bytes = len(raw_text)
+        if text_bytes > limits.max_text_bytes:
+            raise TooLarge(
+                f"text_input is {text_bytes} bytes; the limit is {limits.max_text_bytes}"
+            )
+        messages = [user_turn(text, len(items))]
+
     if len(items) > limits.max_images_per_request:
         raise TooLarge(
             f"{len(items)} images sent; this deployment accepts at most "
             f"{limits.max_images_per_request} per request"
         )
     images: list[bytes] = []
-    total = len(raw_text)
+    total = text_bytes
     for i, item in enumerate(items):
         which = f"image {i + 1} of {len(items)}"
         data = item if isinstance(item, bytes) else str(item).encode()
@@ -88,13 +186,16 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         images.append(data)
 
     sampling = SamplingOptions.parse(_scalar_bytes(inputs, "sampling_parameters"))
-    stream = False
-    if "stream" in inputs:
-        flags = inputs["stream"].reshape(-1)
-        if flags.size != 1:
-            raise InvalidRequest("stream must hold exactly one element")
-        stream = bool(flags[0])
-    return FrontRequest(text=text, images=images, sampling=sampling, stream=stream)
+    outputs = ExtraOutputs(
+        *(_flag(inputs, f"return_{name}") for name in ExtraOutputs.__dataclass_fields__)
+    )
+    return FrontRequest(messages, images, sampling, _flag(inputs, "stream"), outputs)
+
+
+def user_turn(text: str, num_images: int) -> dict[str, Any]:
+    """One user turn: the images, then the text (``text_input``'s shape)."""
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+    return {"role": "user", "content": content}
 
 
 class PromptBuilder:
@@ -118,34 +219,104 @@ class PromptBuilder:
         return cls(topology.model, max_model_len=max_model_len)
 
     def build(self, text: str, num_images: int) -> str:
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
+        """The prompt of one user turn with ``num_images`` images before its text."""
+        return self.build_chat([user_turn(text, num_images)])
 
-    def check_budget(self, prompt: str, image_tokens: list[int], max_tokens: int) -> int:
-        """Prompt length once each image's placeholder expands to its ``image_tokens``;
-        ``InvalidRequest`` if it cannot fit. Every family's template writes one placeholder
-        token per image; special tokens are added as vLLM adds them to a text prompt."""
+    def build_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt of a conversation, each image where its part stands, ready for the
+        assistant's answer (as vLLM's chat endpoint renders it)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint (jinja)
+            raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
+
+    def fit(
+        self, prompt: str, image_tokens: list[int], sampling: SamplingOptions
+    ) -> tuple[int, SamplingOptions]:
+        """Prompt length once each image's placeholder expands to its ``image_tokens``, and
+        ``sampling`` with ``max_tokens`` settled (``None``: what the context leaves, as
+        vLLM's OpenAI server does); ``InvalidRequest`` if it cannot fit. Every family's
+        template writes one placeholder token per image; special tokens are added as vLLM
+        adds them to a text prompt."""
         text_tokens = len(self.tokenizer(prompt).input_ids)
         total = text_tokens - len(image_tokens) + sum(image_tokens)
-        if total + max_tokens > self.max_model_len:
+        max_tokens = sampling.max_tokens
+        if total >= self.max_model_len or total + (max_tokens or 0) > self.max_model_len:
+            asked = f" + max_tokens ({max_tokens})" if max_tokens else ""
             raise InvalidRequest(
-                f"prompt ({total} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
+                f"prompt ({total} tokens){asked} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
             )
-        return total
+        if max_tokens is None:
+            sampling = sampling.model_copy(update={"max_tokens": self.max_model_len - total})
+        return total, sampling
 
 
-def text_tensor(text: str) -> Tensors:
-    return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+@dataclass(frozen=True)
+class Delta:
+    """What one step of generation adds: text, how many tokens it took, and how the
+    answer ended once it has."""
+
+    text: str
+    num_output_tokens: int
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
 
 
-async def text_responses(deltas: AsyncIterator[str], stream: bool) -> AsyncIterator[Tensors]:
-    """One response per delta when streaming, else a single response with the whole text."""
-    if stream:
-        async for delta in deltas:
-            if delta:
-                yield text_tensor(delta)
-        return
-    yield text_tensor("".join([d async for d in deltas]))
+async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
+    """``Delta``s of vLLM ``RequestOutput``s streamed with ``RequestOutputKind.DELTA``."""
+    async for out in outputs:
+        answer = out.outputs[0]
+        prompt = out.prompt_token_ids
+        yield Delta(
+            answer.text,
+            len(answer.token_ids),
+            answer.finish_reason,
+            len(prompt) if prompt is not None else None,
+        )
+
+
+def delta_tensors(delta: Delta, outputs: ExtraOutputs) -> Tensors:
+    """One response: ``text_output`` and the optional outputs asked for, as vllm_backend
+    fills them (``finish_reason`` is the string ``None`` until the last response)."""
+    tensors = {"text_output": np.array([delta.text.encode("utf-8")], dtype=np.object_)}
+    if outputs.finish_reason:
+        tensors["finish_reason"] = np.array([str(delta.finish_reason).encode()], dtype=np.object_)
+    if outputs.num_input_tokens:
+        tensors["num_input_tokens"] = np.array([delta.num_input_tokens or 0], dtype=np.uint32)
+    if outputs.num_output_tokens:
+        tensors["num_output_tokens"] = np.array([delta.num_output_tokens], dtype=np.uint32)
+    return tensors
+
+
+def tensors_delta(tensors: Tensors) -> Delta:
+    """The ``Delta`` of a response made by ``delta_tensors`` with every output."""
+    reason = tensors["finish_reason"].reshape(-1)[0].decode()
+    return Delta(
+        text=tensors["text_output"].reshape(-1)[0].decode("utf-8"),
+        num_output_tokens=int(tensors["num_output_tokens"].reshape(-1)[0]),
+        finish_reason=None if reason == "None" else reason,
+        num_input_tokens=int(tensors["num_input_tokens"].reshape(-1)[0]),
+    )
+
+
+async def completion_responses(
+    deltas: AsyncIterator[Delta], stream: bool, outputs: ExtraOutputs
+) -> AsyncIterator[Tensors]:
+    """When streaming, one response per delta that adds text or ends the answer (token
+    counts are per response, as vllm_backend's); else one response with the whole answer."""
+    text: list[str] = []
+    tokens, prompt, reason = 0, None, None
+    async for delta in deltas:
+        tokens += delta.num_output_tokens
+        prompt = prompt if delta.num_input_tokens is None else delta.num_input_tokens
+        reason = delta.finish_reason
+        if not stream:
+            text.append(delta.text)
+        elif delta.text or reason is not None:
+            yield delta_tensors(Delta(delta.text, tokens, reason, prompt), outputs)
+            tokens = 0
+    if not stream:
+        yield delta_tensors(Delta("".join(text), tokens, reason, prompt), outputs)

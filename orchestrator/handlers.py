@@ -18,7 +18,14 @@ import numpy as np
 from orchestrator.auth import DeploymentKey
 from orchestrator.cache import LocalEmbeddingCache
 from orchestrator.context import RequestContext
-from orchestrator.frontend import PromptBuilder, bad_image, parse_front_request, text_responses
+from orchestrator.frontend import (
+    ExtraOutputs,
+    PromptBuilder,
+    bad_image,
+    completion_responses,
+    deltas_of,
+    parse_front_request,
+)
 from orchestrator.llm import LLMEngine, to_vllm_sampling
 from orchestrator.protocol import (
     Cancelled,
@@ -48,11 +55,6 @@ USED_HANDLES_REMEMBERED = 1 << 16
 """Handle ids a prefill server remembers to refuse a replay (a few MB at most)."""
 ABANDONED_REQUESTS_REMEMBERED = 1 << 12
 """Abandoned request ids a decode server remembers, to refuse them should they still come."""
-
-
-async def text_deltas(outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-    async for out in outputs:
-        yield out.outputs[0].text
 
 
 def _remember(memory: OrderedDict, key: str, value: Any, limit: int) -> None:
@@ -400,7 +402,8 @@ class DecodeHandler:
         self.admitted.add(request.request_id)
         try:
             outputs = self.engine.generate(prompt, sampling, request.request_id)
-            async for response in text_responses(text_deltas(outputs), stream=True):
+            deltas = deltas_of(outputs)
+            async for response in completion_responses(deltas, True, ExtraOutputs.every()):
                 yield response
         finally:
             self.admitted.discard(request.request_id)
@@ -445,13 +448,15 @@ class AggregatedHandler:
                 tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
                 raise bad_image(f"image {i + 1} of {len(request.images)}", exc) from None
-        text = self.prompts.build(request.text, len(images))
-        self.prompts.check_budget(text, tokens, request.sampling.max_tokens)
+        text = self.prompts.build_chat(request.messages)
+        _, sampling = self.prompts.fit(text, tokens, request.sampling)
         prompt: dict[str, Any] = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        outputs = self.engine.generate(prompt, to_vllm_sampling(request.sampling), ctx.request_id)
-        async for response in text_responses(text_deltas(outputs), request.stream):
+        outputs = self.engine.generate(prompt, to_vllm_sampling(sampling), ctx.request_id)
+        async for response in completion_responses(
+            deltas_of(outputs), request.stream, request.outputs
+        ):
             yield response
 
     async def close(self) -> None:

@@ -20,7 +20,13 @@ import numpy as np
 from orchestrator.auth import DeploymentKey
 from orchestrator.config import StageName
 from orchestrator.context import RequestContext
-from orchestrator.frontend import PromptBuilder, parse_front_request, text_responses
+from orchestrator.frontend import (
+    Delta,
+    PromptBuilder,
+    completion_responses,
+    parse_front_request,
+    tensors_delta,
+)
 from orchestrator.protocol import (
     DeadlineExceeded,
     DecodeRequest,
@@ -47,10 +53,6 @@ log = logging.getLogger(__name__)
 CLEANUP_TIMEOUT_S = 5.0
 """Bound on the calls that clean up after a failed or cancelled request (release handles,
 free prefill's KV): past it the encoder's TTL and vLLM's KV lease are the backstop."""
-
-
-def _message(tensors: Tensors, name: str) -> bytes:
-    return tensors[name].reshape(-1)[0]
 
 
 class EPDPipeline:
@@ -122,7 +124,7 @@ class EPDPipeline:
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
-        prompt = self.prompts.build(request.text, len(request.images))
+        prompt = self.prompts.build_chat(request.messages)
         stages = ("encode", "prefill", "decode") if request.images else ("prefill", "decode")
         for stage in stages:  # text-only requests do not need an encoder
             await self.routes[stage].require(self.routing.probe_timeout_s)
@@ -131,7 +133,7 @@ class EPDPipeline:
         encoded = time.perf_counter()
         try:
             image_tokens = [h.layout.tokens for h in handles]
-            self.prompts.check_budget(prompt, image_tokens, request.sampling.max_tokens)
+            _, sampling = self.prompts.fit(prompt, image_tokens, request.sampling)
             try:
                 result = await self._prefill_to_the_end(prompt, handles, ctx)
             except Unavailable as exc:
@@ -164,7 +166,7 @@ class EPDPipeline:
             prompt_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
-            sampling=request.sampling,
+            sampling=sampling,
             kv_transfer_params=result.kv_transfer_params,
         )
         route = self.routes["decode"]
@@ -172,8 +174,9 @@ class EPDPipeline:
         first = True
         try:
             with route.use(name) as decoder:
-                deltas = decoder.call("decode", to_tensor("request", decode), ["text_output"], ctx)
-                async for response in text_responses(_texts(deltas), request.stream):
+                responses = decoder.call("decode", to_tensor("request", decode), DELTA_OUTPUTS, ctx)
+                deltas = _deltas(responses, result.num_prompt_tokens)
+                async for response in completion_responses(deltas, request.stream, request.outputs):
                     if first:
                         self.seconds["first_token"].observe(time.perf_counter() - start)
                         first = False
@@ -360,6 +363,12 @@ class EPDPipeline:
                 await client.close()
 
 
-async def _texts(responses: AsyncIterator[Tensors]) -> AsyncIterator[str]:
+DELTA_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+"""What decode answers per step (``frontend.delta_tensors`` with every output)."""
+
+
+async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:
+    """Decode's steps; the prompt's length is prefill's count (the tokens it computed)."""
     async for tensors in responses:
-        yield _message(tensors, "text_output").decode("utf-8")
+        delta = tensors_delta(tensors)
+        yield dataclasses.replace(delta, num_input_tokens=prompt_tokens)

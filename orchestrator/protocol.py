@@ -143,7 +143,9 @@ class SamplingOptions(_Wire):
     (``n`` > 1, log-probabilities) are refused with a message, never ignored; vLLM checks
     the combination again when the engine gets the request."""
 
-    max_tokens: int = Field(default=16, gt=0)
+    max_tokens: int | None = Field(default=16, gt=0)
+    """``None``: as many as the model's context leaves after the prompt (what vLLM's
+    OpenAI server does without ``max_tokens``)."""
     temperature: float = Field(default=0.0, ge=0.0)
     """0 is greedy (vLLM's default is 1.0; ours keeps answers reproducible)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

@@ -223,5 +223,14 @@ class GrpcStageClient(StageClient):
             return False
         return True
 
+    async def model_ready(self, model: str) -> bool:
+        """Triton's own readiness of ``model`` (False while the server is unreachable)."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return await self._client.is_model_ready(model, headers=self._headers)
+        except InferenceServerException:
+            return False
+
     async def close(self) -> None:
         await self._client.close()

@@ -70,12 +70,19 @@ def mooncake_unavailable() -> str | None:
     return None
 
 
-def local_topology(model: Path, layout: dict[str, list[str]], **settings) -> Topology:
-    """A topology with one loopback server per ``layout`` entry, on free ports."""
-    ports = iter(free_ports(3 * len(layout)))
+def local_topology(
+    model: Path, layout: dict[str, list[str]], openai_on: str | None = None, **settings
+) -> Topology:
+    """A topology with one loopback server per ``layout`` entry, on free ports (and an
+    OpenAI front beside server ``openai_on``)."""
+    ports = iter(free_ports(3 * len(layout) + 1))
     servers = {
         name: ServerSpec(
-            http_port=next(ports), grpc_port=next(ports), metrics_port=next(ports), stages=stages
+            http_port=next(ports),
+            grpc_port=next(ports),
+            metrics_port=next(ports),
+            openai_port=next(ports) if name == openai_on else None,
+            stages=stages,
         )
         for name, stages in layout.items()
     }

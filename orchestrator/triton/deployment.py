@@ -17,6 +17,7 @@ from pathlib import Path
 from orchestrator.auth import SECRET_ENV, DeploymentKey, new_secret
 from orchestrator.config import PUBLIC_STAGES, Topology
 from orchestrator.families import ModelFamily
+from orchestrator.openai_server.launch import OpenAIFront
 from orchestrator.ports import free_ports
 from orchestrator.triton.repository import render
 from orchestrator.triton.server import TritonInstall, TritonServer
@@ -84,7 +85,7 @@ def _port_in_use(host: str, port: int) -> bool:
 def on_free_ports(topology: Topology) -> Topology:
     """``topology`` with every server moved to free loopback ports, so a benchmark never
     collides with an ``epd serve`` on the default ports."""
-    ports = iter(free_ports(3 * len(topology.servers)))
+    ports = iter(free_ports(4 * len(topology.servers)))
     data = topology.model_dump()
     for server in data["servers"].values():
         server.update(
@@ -93,6 +94,7 @@ def on_free_ports(topology: Topology) -> Topology:
             http_port=next(ports),
             grpc_port=next(ports),
             metrics_port=next(ports),
+            openai_port=next(ports) if server["openai_port"] else None,
         )
     return Topology.model_validate(data)
 
@@ -128,6 +130,8 @@ class Deployment:
         self.installs = triton_installs(topology, list(self.local))
         self.workdir = workdir.resolve()
         self.servers: dict[str, TritonServer] = {}
+        self.openai: dict[str, OpenAIFront] = {}
+        """The OpenAI front of each local server with an ``openai_port``, by server name."""
         self._lock: int | None = None
 
     def _acquire(self) -> None:
@@ -192,12 +196,31 @@ class Deployment:
             for name, server in self.servers.items():
                 server.wait_ready(timeout_s)
                 say(f"  {name}: ready after {time.monotonic() - started:.1f} s")
+            for name, spec in self.local.items():
+                if spec.openai_port is None:
+                    continue
+                front = OpenAIFront(
+                    topology_file=self.workdir / "repos" / "topology.json",
+                    server=name,
+                    spec=spec,
+                    log_path=self.workdir / "logs" / f"{name}-openai.log",
+                    env={SECRET_ENV: self.secret},
+                )
+                self.openai[name] = front
+                front.start()
+            for name, front in self.openai.items():
+                front.wait_ready(timeout_s)
+                say(f"  {name}: OpenAI API at {front.url}/v1")
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Stop all servers in parallel (each may wait out Triton's exit timeout)."""
+        """Stop the OpenAI fronts, then all servers in parallel (each may wait out
+        Triton's exit timeout)."""
+        for front in self.openai.values():
+            front.stop()
+        self.openai.clear()
         with ThreadPoolExecutor(max(1, len(self.servers))) as pool:
             list(pool.map(TritonServer.stop, self.servers.values()))
         self.servers.clear()

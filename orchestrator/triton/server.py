@@ -29,7 +29,7 @@ import pytriton
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """In the child before exec: SIGTERM it when its parent dies, even by SIGKILL.
 
     The server runs in its own session (so a terminal's Ctrl-C reaches only us and we stop
@@ -198,7 +198,7 @@ class TritonServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=terminate_with_parent,
             )
         finally:
             log.close()

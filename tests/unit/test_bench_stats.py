@@ -211,7 +211,7 @@ def test_free_ports_keep_the_layout(tmp_path):
     default = default_topology(tmp_path)
     moved = on_free_ports(default)
     ports = [p for s in moved.servers.values() for p in s.ports]
-    assert len(set(ports)) == len(ports) == 9
+    assert len(set(ports)) == len(ports) == 10  # three servers, the front with its OpenAI port
     assert not set(ports) & {p for s in default.servers.values() for p in s.ports}
     assert {n: s.stages for n, s in moved.servers.items()} == {
         n: s.stages for n, s in default.servers.items()

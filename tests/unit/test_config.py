@@ -29,7 +29,7 @@ def _server(port: int, stages: list[str], host: str = "127.0.0.1") -> ServerSpec
 def test_default_topology_is_three_servers_with_front_on_triton_ports():
     topo = default_topology(Path("/m"))
     assert set(topo.servers) == {"encoder", "prefill", "front"}
-    assert topo.server_of("epd")[1].ports == (8000, 8001, 8002)
+    assert topo.server_of("epd")[1].ports == (8000, 8001, 8002, 9000)
     assert topo.server_of("encode")[0] == "encoder"
 
 

@@ -236,11 +236,14 @@ def test_deployments_services_and_topology_agree(tmp_path):
         secret = env["EPD_DEPLOYMENT_SECRET"]["valueFrom"]["secretKeyRef"]
         assert secret == {"name": "epd-deployment", "key": "secret"}
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {
+        expected = {
             "http": server.http_port,
             "grpc": server.grpc_port,
             "metrics": server.metrics_port,
         }
+        if server.openai_port is not None:
+            expected["openai"] = server.openai_port
+        assert ports == expected
         assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": READY, "port": "http"}
@@ -313,7 +316,7 @@ def test_network_policy_lets_only_the_front_in_and_only_stages_reach_transfers()
     policies = by_kind("NetworkPolicy")
     deny = policies["epd-default-deny"]["spec"]
     assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}  # no rule: nothing in
-    assert _admitted("front") == [(None, {"http", "grpc"}), (None, {"metrics"})]
+    assert _admitted("front") == [(None, {"http", "grpc", "openai"}), (None, {"metrics"})]
     # stage gRPC from the front only; transfers (any port): prefill <- decode (in front)
     assert _admitted("prefill") == [({"front"}, None), (None, {"metrics"})]
     # encoders: gRPC from the front, NIXL reads (any port) from prefill

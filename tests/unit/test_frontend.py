@@ -3,14 +3,22 @@ stage works (pure parsing, no servers)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from orchestrator.config import Limits
-from orchestrator.frontend import parse_front_request
+from orchestrator.frontend import (
+    Delta,
+    ExtraOutputs,
+    completion_responses,
+    parse_front_request,
+    tensors_delta,
+)
 from orchestrator.protocol import InvalidRequest
 
 
@@ -66,4 +74,83 @@ def test_limits_name_the_input(inputs, message):
 
 def test_a_request_within_the_limits_passes():
     request = parse_front_request(_inputs(images=[_png(100, 100)] * 3), LIMITS)
-    assert len(request.images) == 3 and request.text == "hi"
+    assert len(request.images) == 3
+    # text_input is one user turn, its images first
+    assert request.messages == [
+        {"role": "user", "content": [{"type": "image"}] * 3 + [{"type": "text", "text": "hi"}]}
+    ]
+
+
+def _chat(messages, images: list[bytes] | None = None) -> dict[str, np.ndarray]:
+    inputs = {"messages": np.array([json.dumps(messages).encode()], dtype=np.object_)}
+    if images is not None:
+        inputs["image"] = np.array(images, dtype=np.object_)
+    return inputs
+
+
+def test_messages_keep_each_image_where_it_stands():
+    turns = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "c"}]},
+    ]
+    request = parse_front_request(_chat(turns, [_png(8, 8), _png(9, 9)]), LIMITS)
+    assert [m["role"] for m in request.messages] == ["system", "user", "assistant", "user"]
+    assert request.messages[0]["content"] == [{"type": "text", "text": "be brief"}]
+    assert request.messages[1]["content"][1] == {"type": "image"}
+    assert request.messages[3]["content"][0] == {"type": "image"}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({}, "send either text_input or messages"),
+        ({**_inputs(), **_chat([{"role": "user", "content": "x"}])}, "exactly one of them"),
+        (_chat("hi"), "non-empty JSON list"),
+        (_chat([{"role": "tool", "content": "x"}]), r"messages\[0\].role is 'tool'"),
+        (_chat([{"role": "user", "content": 3}]), r"messages\[0\].content must be"),
+        (
+            _chat([{"role": "user", "content": [{"type": "video"}]}]),
+            r"messages\[0\].content\[0\] must be",
+        ),
+        (
+            _chat([{"role": "user", "content": [{"type": "image"}]}]),
+            r"messages place 1 image\(s\) but 0 image input\(s\) were sent",
+        ),
+        (_chat([{"role": "user", "content": "x" * 101}]), "101 bytes of text; the limit is 100"),
+    ],
+    ids=["none", "both", "not-a-list", "role", "content", "part", "image-count", "size"],
+)
+def test_bad_messages_name_the_turn(inputs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_front_request(inputs, LIMITS)
+
+
+def test_optional_outputs_follow_vllm_backend():
+    """finish_reason is the string None until the end; token counts are per response when
+    streaming, the totals otherwise."""
+
+    async def deltas():
+        yield Delta("", 1, None, 7)  # a token with no text yet
+        yield Delta("ab", 1, None, 7)
+        yield Delta("c", 1, "length", 7)
+
+    async def collect(stream: bool):
+        outputs = ExtraOutputs.every()
+        return [r async for r in completion_responses(deltas(), stream, outputs)]
+
+    streamed = asyncio.run(collect(True))
+    assert [r["text_output"][0] for r in streamed] == [b"ab", b"c"]
+    assert [r["finish_reason"][0] for r in streamed] == [b"None", b"length"]
+    assert [int(r["num_output_tokens"][0]) for r in streamed] == [2, 1]
+    assert all(int(r["num_input_tokens"][0]) == 7 for r in streamed)
+    [whole] = asyncio.run(collect(False))
+    assert whole["text_output"][0] == b"abc" and int(whole["num_output_tokens"][0]) == 3
+    assert tensors_delta(whole) == Delta("abc", 3, "length", 7)
+    [plain] = asyncio.run(_plain(deltas))
+    assert set(plain) == {"text_output"}  # nothing asked, nothing extra
+
+
+async def _plain(deltas):
+    return [r async for r in completion_responses(deltas(), False, ExtraOutputs())]

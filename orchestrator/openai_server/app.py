@@ -1,0 +1,328 @@
+"""The FastAPI app: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+Each chat request becomes one streaming gRPC call to the public Triton model its
+``model`` names. A client that goes away cancels that call (a stream's generator is
+closed by Starlette, a plain request is raced against the disconnect), and the model
+stops the request in every stage. Errors keep their kind from the stages to the HTTP
+status (``protocol.StageError.http_status``) in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from orchestrator.auth import DeploymentKey
+from orchestrator.config import Topology
+from orchestrator.context import RequestContext
+from orchestrator.frontend import Delta, tensors_delta
+from orchestrator.openai_server.chat import (
+    RESPONSE_OUTPUTS,
+    Answer,
+    generation_defaults,
+    model_inputs,
+)
+from orchestrator.openai_server.media import MediaLoader
+from orchestrator.protocol import InvalidRequest, Overloaded, StageError, TooLarge
+from orchestrator.stage_client import GrpcStageClient
+
+log = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape (vLLM's ``ErrorResponse``), with the status as its code."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    kind = _ERROR_TYPES.get(status, "InternalServerError")
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def stage_error_response(exc: StageError) -> JSONResponse:
+    return error_response(exc.http_status, str(exc))
+
+
+class ChatService:
+    """What the routes share: the Triton client, names, limits and counters."""
+
+    def __init__(self, topology: Topology, server: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        spec = topology.servers[server]
+        self.topology = topology
+        hosted = [m for m in ("epd", "aggregated") if m in spec.stages]
+        self.models = {topology.served_model_name: hosted[0], **{m: m for m in hosted}}
+        """Names a request may send, and the Triton model each one calls."""
+        self.client = GrpcStageClient(spec.local_grpc_url, DeploymentKey.from_env())
+        limits = topology.limits
+        self.limits = limits
+        self.defaults = generation_defaults(topology.model)
+        self.media = MediaLoader(
+            topology.openai.allowed_media_domains,
+            topology.openai.media_timeout_s,
+            limits.max_image_bytes,
+        )
+        self.max_body_bytes = limits.max_request_bytes * 4 // 3 + (1 << 20)  # base64, JSON
+        self.max_running = topology.openai.max_concurrent_requests
+        self.running = 0
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "epd_openai_requests",
+            "Chat completion requests answered, by HTTP status",
+            ["status"],
+            registry=self.registry,
+        )
+        Gauge(
+            "epd_openai_requests_running",
+            "Chat completion requests in flight",
+            registry=self.registry,
+        ).set_function(lambda: self.running)
+        self.ttft = Histogram(
+            "epd_openai_time_to_first_token_seconds",
+            "From a request's arrival to its first answer token",
+            registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+
+    async def close(self) -> None:
+        await self.media.close()
+        await self.client.close()
+
+    def model_for(self, name: str | None) -> str:
+        if not name:
+            return next(iter(self.models.values()))
+        if name not in self.models:
+            raise LookupError(
+                f"The model `{name}` does not exist. Valid names: {', '.join(self.models)}."
+            )
+        return self.models[name]
+
+    async def deltas(self, model: str, inputs: dict, ctx: RequestContext) -> AsyncIterator[Delta]:
+        """The model's steps; closing this generator early cancels the gRPC call."""
+        async with contextlib.aclosing(
+            self.client.call(model, inputs, RESPONSE_OUTPUTS, ctx)
+        ) as rs:
+            async for tensors in rs:
+                yield tensors_delta(tensors)
+
+
+def create_app(topology: Topology, server: str) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Built on the server's loop: gRPC's asyncio channel belongs to the loop it is made on.
+        app.state.service = ChatService(topology, server)
+        yield
+        await app.state.service.close()
+
+    app = FastAPI(title="epd OpenAI-compatible API", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health(raw: Request) -> Response:
+        """200 once every model this front calls is ready on its Triton server."""
+        service: ChatService = raw.app.state.service
+        for model in set(service.models.values()):
+            if not await service.client.model_ready(model):
+                return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(raw: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        registry = raw.app.state.service.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> JSONResponse:
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
+
+        service: ChatService = raw.app.state.service
+        root = str(topology.model)
+        cards = [
+            ModelCard(
+                id=name,
+                root=root,
+                parent=None if name == topology.served_model_name else topology.served_model_name,
+                owned_by="epd",
+                permission=[ModelPermission()],
+            )
+            for name in service.models
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        service: ChatService = raw.app.state.service
+        status = 500
+        try:
+            response = await _chat(service, raw)
+            status = response.status_code
+            return response
+        finally:
+            service.requests.labels(status=str(status)).inc()
+
+    return app
+
+
+async def _read_json(service: ChatService, raw: Request) -> Any:
+    length = raw.headers.get("content-length")
+    if length is not None and int(length) > service.max_body_bytes:
+        raise TooLarge(f"request body is {length} bytes; the limit is {service.max_body_bytes}")
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > service.max_body_bytes:
+            raise TooLarge(f"request body is over the limit of {service.max_body_bytes} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def _parse(body: Any) -> Any:
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMError
+
+    from orchestrator.config import describe
+
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe(exc)) from None
+    except (ValueError, VLLMError) as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+async def _chat(service: ChatService, raw: Request) -> Response:
+    start = time.perf_counter()
+    if service.running >= service.max_running:
+        return stage_error_response(
+            Overloaded(f"this server is at its limit of {service.max_running} requests in flight")
+        )
+    service.running += 1
+    handed_over = False
+    try:
+        try:
+            request = _parse(await _read_json(service, raw))
+            model = service.model_for(request.model)
+            inputs, _ = await model_inputs(request, service.defaults, service.media)
+        except LookupError as exc:
+            return error_response(404, str(exc.args[0]), "model")
+        except StageError as exc:
+            return stage_error_response(exc)
+        answer = Answer(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model or model)
+        limits = service.limits
+        ctx = RequestContext.create(
+            limits.request_timeout_s, limits.stream_idle_timeout_s, answer.id
+        )
+        deltas = service.deltas(model, inputs, ctx)
+        if not request.stream:
+            return await _until_disconnect(raw, _whole(answer, deltas, service, start))
+        # The first step decides the status: errors before it are plain HTTP errors.
+        try:
+            first = await _until_disconnect(raw, anext(deltas))
+        except StopAsyncIteration:
+            first = Delta("", 0, "stop")
+        except StageError as exc:
+            await deltas.aclose()
+            return stage_error_response(exc)
+        if isinstance(first, Response):  # the client left already
+            await deltas.aclose()
+            return first
+        service.ttft.observe(time.perf_counter() - start)
+        usage = bool(request.stream_options and request.stream_options.include_usage)
+        handed_over = True
+        return StreamingResponse(
+            _events(answer, first, deltas, usage, service), media_type="text/event-stream"
+        )
+    finally:
+        if not handed_over:
+            service.running -= 1
+
+
+async def _until_disconnect(raw: Request, work: Any) -> Any:
+    """``work``'s result, or a 499 once the client disconnected first (``work`` is
+    cancelled: the stages stop the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return error_response(499, "the client closed the connection")
+    return task.result()
+
+
+async def _whole(
+    answer: Answer, deltas: AsyncIterator[Delta], service: ChatService, start: float
+) -> Response:
+    try:
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                if not answer.text:
+                    service.ttft.observe(time.perf_counter() - start)
+                answer.add(delta)
+    except StageError as exc:
+        return stage_error_response(exc)
+    return JSONResponse(answer.response().model_dump())
+
+
+async def _events(
+    answer: Answer,
+    first: Delta,
+    deltas: AsyncIterator[Delta],
+    usage: bool,
+    service: ChatService,
+) -> AsyncIterator[str]:
+    """Server-sent events: the role, then the text as it comes, the finish reason on the
+    last text chunk, the usage if asked, ``[DONE]``. An error after the first token is an
+    error event (the status is long sent)."""
+    try:
+        async with contextlib.aclosing(deltas):
+            yield answer.chunk(role="assistant", text="")
+            delta: Delta | None = first
+            while delta is not None:
+                answer.add(delta)
+                if delta.text or delta.finish_reason is not None:
+                    yield answer.chunk(text=delta.text, finish=delta.finish_reason)
+                delta = await anext(deltas, None)
+            if usage:
+                yield answer.usage_chunk()
+    except StageError as exc:
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+        info = ErrorInfo(message=str(exc), type="StageError", code=exc.http_status)
+        yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
+    finally:
+        service.running -= 1
+    yield "data: [DONE]\n\n"

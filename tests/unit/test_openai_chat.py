@@ -1,0 +1,108 @@
+"""The OpenAI front's translation of chat requests (pure logic, no servers): what is
+refused by name, where images go, vLLM's reading of the sampling fields, media URLs."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from orchestrator.frontend import Delta
+from orchestrator.openai_server.chat import Answer, check_supported, conversation, sampling
+from orchestrator.openai_server.media import MediaLoader
+from orchestrator.protocol import InvalidRequest, TooLarge
+
+
+def request(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 3}, "n: one answer"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tool calling"),
+        ({"use_beam_search": True}, "beam search"),
+        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"chat_template": "{{ 1 }}"}, "the model's own template"),
+    ],
+)
+def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
+    with pytest.raises(InvalidRequest, match=message):
+        check_supported(request(**fields))
+
+
+def test_images_stay_where_they_are_in_the_conversation():
+    url = "data:image/png;base64,AAAA"
+    chat = conversation(
+        request(
+            messages=[
+                {"role": "developer", "content": "sys"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "b"},
+                        {"type": "image_url", "image_url": {"url": url + "B"}},
+                    ],
+                },
+            ]
+        )
+    )
+    assert chat.messages[0] == {"role": "system", "content": [{"type": "text", "text": "sys"}]}
+    kinds = [p["type"] for p in chat.messages[1]["content"]]
+    assert kinds == ["text", "image", "text", "image"]
+    assert chat.image_urls == [url, url + "B"]
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].content\[0\] of type 'input_audio'"):
+        audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+        conversation(request(messages=[{"role": "user", "content": [audio]}]))
+
+
+def test_sampling_is_vllms_reading_with_the_checkpoints_defaults():
+    options = sampling(request(max_completion_tokens=7, stop="x", top_k=5, seed=3), {})
+    assert (options.max_tokens, options.stop, options.top_k, options.seed) == (7, ["x"], 5, 3)
+    assert options.temperature == 1.0  # vLLM's default when neither request nor checkpoint say
+    assert sampling(request(), {"temperature": 0.25}).temperature == 0.25
+    assert sampling(request(), {}).max_tokens is None  # what the context leaves
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        sampling(request(max_tokens=-5), {})
+
+
+def test_media_urls():
+    loader = MediaLoader(["images.example"], timeout_s=1, max_bytes=8)
+
+    async def load(url: str) -> bytes:
+        return await loader.load(url, "image 1 of 1")
+
+    data = base64.b64encode(b"1234").decode()
+    assert asyncio.run(load(f"data:image/png;base64,{data}")) == b"1234"
+    for url, error, message in [
+        (f"data:text/plain;base64,{data}", InvalidRequest, "is not an image"),
+        ("data:image/png,1234", InvalidRequest, "only base64"),
+        ("data:image/png;base64,@@@", InvalidRequest, "not valid base64"),
+        ("data:image/png;base64," + base64.b64encode(bytes(16)).decode(), TooLarge, "limit"),
+        ("http://169.254.169.254/latest", InvalidRequest, "not fetched by this server"),
+        ("file:///etc/passwd", InvalidRequest, "data: URL or an http"),
+    ]:
+        with pytest.raises(error, match=message):
+            asyncio.run(load(url))
+
+
+def test_answers_in_openai_shapes():
+    answer = Answer(id="chatcmpl-1", model="m")
+    answer.add(Delta("he", 2, None, 9))
+    answer.add(Delta("y", 1, "stop", 9))
+    whole = answer.response().model_dump()
+    assert whole["choices"][0]["message"] == {**whole["choices"][0]["message"], "content": "hey"}
+    assert whole["usage"]["prompt_tokens"] == 9 and whole["usage"]["completion_tokens"] == 3
+    chunk = json.loads(answer.chunk(text="y", finish="stop").removeprefix("data: "))
+    assert chunk["id"] == "chatcmpl-1" and chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0] == {"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}
+    usage = json.loads(answer.usage_chunk().removeprefix("data: "))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 12
