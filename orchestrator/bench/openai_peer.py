@@ -142,6 +142,49 @@ def bench_serve(
     return json.loads(out.read_text())
 
 
+AIPERF = "aiperf==0.13.0"
+AIPERF_VENV = Path(".cache/aiperf-venv")
+
+
+def ensure_aiperf(venv_dir: Path = AIPERF_VENV) -> Path:
+    """NVIDIA's AIPerf CLI, installed into a venv of its own on first use (its pins do not
+    fit beside vLLM's)."""
+    binary = venv_dir / "bin" / "aiperf"
+    if binary.exists():
+        return binary
+    for step in (
+        [sys.executable, "-m", "venv", str(venv_dir)],
+        [str(venv_dir / "bin" / "python"), "-m", "pip", "install", "-q", AIPERF],
+    ):
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"installing {AIPERF} failed: {' '.join(step)}\n{done.stderr[-2000:]}"
+            )
+    return binary
+
+
+def aiperf_profile(
+    base_url: str, model: Path, served_name: str, requests: int, concurrency: int, out: Path
+) -> dict:
+    """One short AIPerf run (chat, streaming, one synthetic image per request); its JSON
+    export. The tokenizer is the checkpoint's own folder (AIPerf reads a local path as
+    such unless HF_HUB_OFFLINE is set, so that variable is dropped for it)."""
+    cmd = [
+        str(ensure_aiperf()), "profile", "--model", served_name, "--url", base_url,
+        "--endpoint-type", "chat", "--streaming", "--tokenizer", str(model),
+        "--request-count", str(requests), "--concurrency", str(concurrency),
+        "--synthetic-input-tokens-mean", "32", "--output-tokens-mean", "8",
+        "--image-width-mean", "224", "--image-height-mean", "224", "--image-batch-size", "1",
+        "--artifact-dir", str(out), "--ui-type", "none",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    return json.loads((out / "profile_export_aiperf.json").read_text())
+
+
 @dataclass
 class PeerResult:
     peer: str

@@ -287,6 +287,15 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
     assert result["total_output_tokens"] == 6 * 16
 
 
+def test_aiperf_runs_against_it(stack, tmp_path):
+    """NVIDIA's AIPerf (chat, streaming, synthetic images) runs without an error."""
+    result = openai_peer.aiperf_profile(
+        stack.openai["front"].url, stack.topology.model, "epd", 6, 1, tmp_path / "aiperf"
+    )
+    assert result["request_count"]["avg"] == 6 and result["error_summary"] == [], result
+    assert result["num_images"]["avg"] == 1, result["num_images"]
+
+
 def test_a_dead_stage_is_503_and_what_does_not_need_it_still_works(stack, client):
     """Last in this module: it kills the encoder server. Photos then fail at once with
     503 naming the stage; text-only requests, which need no encoder, are still served."""
