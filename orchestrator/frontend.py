@@ -198,6 +198,16 @@ def user_turn(text: str, num_images: int) -> dict[str, Any]:
     return {"role": "user", "content": content}
 
 
+def context_length(topology: Topology, roles: tuple[LLMRole, ...]) -> int:
+    """The context of requests served by the engines of ``roles``: the smallest
+    ``max_model_len`` among those engines' servers."""
+    return min(
+        int(engine_args(topology, server, role)["max_model_len"])
+        for role in roles
+        for server in topology.servers_of(role)
+    )
+
+
 class PromptBuilder:
     """Applies the model's own chat template with one image slot per image."""
 
@@ -209,14 +219,8 @@ class PromptBuilder:
 
     @classmethod
     def for_topology(cls, topology: Topology, roles: tuple[LLMRole, ...]) -> PromptBuilder:
-        """The builder for requests served by the engines of ``roles``: their context is the
-        smallest ``max_model_len`` among those engines' servers."""
-        max_model_len = min(
-            int(engine_args(topology, server, role)["max_model_len"])
-            for role in roles
-            for server in topology.servers_of(role)
-        )
-        return cls(topology.model, max_model_len=max_model_len)
+        """The builder for requests served by the engines of ``roles``."""
+        return cls(topology.model, max_model_len=context_length(topology, roles))
 
     def build(self, text: str, num_images: int) -> str:
         """The prompt of one user turn with ``num_images`` images before its text."""

@@ -1,11 +1,13 @@
 """``epd bench openai``: our OpenAI endpoint against plain ``vllm serve`` on the same
 checkpoint, with vLLM's own load generator (``vllm bench serve``, OpenAI chat backend).
 
-Back to back on one box: first our deployment (the embedded topology on free ports), then
-``vllm serve`` with the engine settings our engines use; never both up at once, so neither
-pays for the other's idle loops. Each kind of request is its own workload, so its numbers
-are its own: photos (one synthetic image per request, every one distinct: no cache hits)
-and text only; warm-up requests excluded; a few repeats per peer give the spread.
+Back to back on one box: first our deployment (the embedded topology on free ports; its
+``epd`` pipeline, then its one-engine ``aggregated`` baseline through the same front, which
+tells the front's own cost from the disaggregation's), then ``vllm serve`` with the engine
+settings our engines use; never both up at once, so neither pays for the other's idle
+loops. Each kind of request is its own workload, so its numbers are its own: photos (one
+synthetic image per request, every one distinct: no cache hits) and text only; warm-up
+requests excluded; a few repeats per peer give the spread.
 """
 
 from __future__ import annotations
@@ -220,13 +222,13 @@ def run(
     name = topology.served_model_name
     results: list[PeerResult] = []
 
-    def measure(peer: str, base_url: str) -> None:
+    def measure(peer: str, base_url: str, model: str = name) -> None:
         for kind in KINDS:
             runs = []
             for i in range(repeats):
-                out = workdir / f"{peer}-{kind}-{i}.json"
+                out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
                 result = bench_serve(
-                    base_url, topology.model, name, kind, prompts, warmups, concurrency, out, seed=i
+                    base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
                 )
                 runs.append(_summary(result))
                 print(f"  {peer:12s} {kind:5s} run {i + 1}: {runs[-1]}", flush=True)
@@ -235,7 +237,9 @@ def run(
     deployment = Deployment(topology, workdir / "serve")
     with deployment.running(timeout_s=600):
         front = next(iter(deployment.openai.values()))
-        measure("epd", front.url)
+        measure("epd", front.url, "epd")
+        if "aggregated" in deployment.topology.servers[front.server].stages:
+            measure("aggregated", front.url, "aggregated")
     with vllm_serve(topology, workdir / "vllm-serve.log", name) as url:
         measure("vllm serve", url)
     return results
@@ -250,15 +254,17 @@ def format_report(results: list[PeerResult]) -> str:
             low, high = r.spread(key)
             cells.append(f"{r.median(key):8.2f} [{low:.1f}-{high:.1f}]")
         lines.append(f"{r.kind:6s} {r.peer:12s} {cells[0]:>16s} {cells[1]:>20s} {cells[2]:>20s}")
-    lines.append("ratios, ours / vllm serve (medians):")
-    for kind in KINDS:
-        ours, peer = by.get(("epd", kind)), by.get(("vllm serve", kind))
-        if ours and peer:
-            lines.append(
-                f"  {kind:6s} req/s {ours.median('req_per_s') / peer.median('req_per_s'):.2f}x, "
-                f"TTFT p50 {ours.median('ttft_p50_ms') / peer.median('ttft_p50_ms'):.2f}x, "
-                f"p90 {ours.median('ttft_p90_ms') / peer.median('ttft_p90_ms'):.2f}x"
-            )
+    lines.append("ratios to vllm serve (medians):")
+    for ours_name in ("epd", "aggregated"):
+        for kind in KINDS:
+            ours, peer = by.get((ours_name, kind)), by.get(("vllm serve", kind))
+            if ours and peer:
+                lines.append(
+                    f"  {ours_name:10s} {kind:6s} "
+                    f"req/s {ours.median('req_per_s') / peer.median('req_per_s'):.2f}x, "
+                    f"TTFT p50 {ours.median('ttft_p50_ms') / peer.median('ttft_p50_ms'):.2f}x, "
+                    f"p90 {ours.median('ttft_p90_ms') / peer.median('ttft_p90_ms'):.2f}x"
+                )
     return "\n".join(lines)
 
 

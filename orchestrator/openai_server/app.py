@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from orchestrator.auth import DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.frontend import Delta, tensors_delta
+from orchestrator.frontend import Delta, context_length, tensors_delta
 from orchestrator.openai_server.chat import (
     RESPONSE_OUTPUTS,
     Answer,
@@ -73,6 +73,9 @@ class ChatService:
         hosted = [m for m in ("epd", "aggregated") if m in spec.stages]
         self.models = {topology.served_model_name: hosted[0], **{m: m for m in hosted}}
         """Names a request may send, and the Triton model each one calls."""
+        roles = {"epd": ("prefill", "decode"), "aggregated": ("aggregated",)}
+        self.context = {m: context_length(topology, roles[m]) for m in hosted}
+        """Each model's context length (``max_model_len`` in ``/v1/models``)."""
         self.client = GrpcStageClient(spec.local_grpc_url, DeploymentKey.from_env())
         limits = topology.limits
         self.limits = limits
@@ -164,9 +167,10 @@ def create_app(topology: Topology, server: str) -> FastAPI:
                 root=root,
                 parent=None if name == topology.served_model_name else topology.served_model_name,
                 owned_by="epd",
+                max_model_len=service.context[model],
                 permission=[ModelPermission()],
             )
-            for name in service.models
+            for name, model in service.models.items()
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -220,8 +224,7 @@ async def _chat(service: ChatService, raw: Request) -> Response:
         return stage_error_response(
             Overloaded(f"this server is at its limit of {service.max_running} requests in flight")
         )
-    service.running += 1
-    handed_over = False
+    slot = _Slot(service)
     try:
         try:
             request = _parse(await _read_json(service, raw))
@@ -252,13 +255,32 @@ async def _chat(service: ChatService, raw: Request) -> Response:
             return first
         service.ttft.observe(time.perf_counter() - start)
         usage = bool(request.stream_options and request.stream_options.include_usage)
-        handed_over = True
-        return StreamingResponse(
-            _events(answer, first, deltas, usage, service), media_type="text/event-stream"
-        )
+
+        stream_slot, slot = slot, None  # the stream gives it back
+
+        async def finish() -> None:
+            await deltas.aclose()  # cancels the gRPC call if the stream stopped early
+            stream_slot.release()
+
+        return _EventStream(_events(answer, first, deltas, usage, stream_slot), finish)
     finally:
-        if not handed_over:
-            service.running -= 1
+        if slot is not None:
+            slot.release()
+
+
+class _Slot:
+    """One of the front's ``max_concurrent_requests``, given back once: by a stream before
+    its ``[DONE]``, so a client that waits for it before sending the next request never
+    finds the front full because of its own last request."""
+
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
+        service.running += 1
+
+    def release(self) -> None:
+        if self.service is not None:
+            self.service.running -= 1
+            self.service = None
 
 
 async def _until_disconnect(raw: Request, work: Any) -> Any:
@@ -297,32 +319,43 @@ async def _whole(
     return JSONResponse(answer.response().model_dump())
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events whose ``finish`` runs however the response ends: sent whole,
+    client gone mid-stream, or gone before the first byte (when the body generator never
+    even starts, so its own ``finally`` would not run)."""
+
+    def __init__(self, events: AsyncIterator[str], finish: Any) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            await self._finish()
+
+
 async def _events(
-    answer: Answer,
-    first: Delta,
-    deltas: AsyncIterator[Delta],
-    usage: bool,
-    service: ChatService,
+    answer: Answer, first: Delta, deltas: AsyncIterator[Delta], usage: bool, slot: _Slot
 ) -> AsyncIterator[str]:
     """Server-sent events: the role, then the text as it comes, the finish reason on the
     last text chunk, the usage if asked, ``[DONE]``. An error after the first token is an
     error event (the status is long sent)."""
     try:
-        async with contextlib.aclosing(deltas):
-            yield answer.chunk(role="assistant", text="")
-            delta: Delta | None = first
-            while delta is not None:
-                answer.add(delta)
-                if delta.text or delta.finish_reason is not None:
-                    yield answer.chunk(text=delta.text, finish=delta.finish_reason)
-                delta = await anext(deltas, None)
-            if usage:
-                yield answer.usage_chunk()
+        yield answer.chunk(role="assistant", text="")
+        delta: Delta | None = first
+        while delta is not None:
+            answer.add(delta)
+            if delta.text or delta.finish_reason is not None:
+                yield answer.chunk(text=delta.text, finish=delta.finish_reason)
+            delta = await anext(deltas, None)
+        if usage:
+            yield answer.usage_chunk()
     except StageError as exc:
         from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
         info = ErrorInfo(message=str(exc), type="StageError", code=exc.http_status)
         yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
-    finally:
-        service.running -= 1
+    slot.release()
     yield "data: [DONE]\n\n"
