@@ -106,3 +106,49 @@ def test_answers_in_openai_shapes():
     assert chunk["choices"][0] == {"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}
     usage = json.loads(answer.usage_chunk().removeprefix("data: "))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 12
+
+
+def test_allowed_hosts_are_fetched_within_limits():
+    """A real HTTP server on loopback: fetched when its host is allowed, refused past the
+    byte cap, on an error status, and when it redirects (never followed)."""
+    import http.server
+    import threading
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if self.path == "/small":
+                self.send_response(200), self.end_headers(), self.wfile.write(b"12345")
+            elif self.path == "/big":
+                self.send_response(200), self.end_headers(), self.wfile.write(bytes(64))
+            elif self.path == "/elsewhere":
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/")
+                self.end_headers()
+            else:
+                self.send_response(404), self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def load(path: str) -> bytes:
+        loader = MediaLoader(["127.0.0.1"], timeout_s=5, max_bytes=8)
+        try:
+            return await loader.load(base + path, "image 1 of 1")
+        finally:
+            await loader.close()
+
+    try:
+        assert asyncio.run(load("/small")) == b"12345"
+        for path, error, message in [
+            ("/big", TooLarge, "over the limit of 8 bytes"),
+            ("/missing", InvalidRequest, "answered HTTP 404"),
+            ("/elsewhere", InvalidRequest, "answered HTTP 302"),
+        ]:
+            with pytest.raises(error, match=message):
+                asyncio.run(load(path))
+    finally:
+        server.shutdown()
