@@ -282,6 +282,10 @@ async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
         )
 
 
+DELTA_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+"""A response of ``delta_tensors`` with every output (what ``tensors_delta`` reads)."""
+
+
 def delta_tensors(delta: Delta, outputs: ExtraOutputs) -> Tensors:
     """One response: ``text_output`` and the optional outputs asked for, as vllm_backend
     fills them (``finish_reason`` is the string ``None`` until the last response)."""

@@ -21,6 +21,7 @@ from orchestrator.auth import DeploymentKey
 from orchestrator.config import StageName
 from orchestrator.context import RequestContext
 from orchestrator.frontend import (
+    DELTA_OUTPUTS,
     Delta,
     PromptBuilder,
     completion_responses,
@@ -361,10 +362,6 @@ class EPDPipeline:
             await self.health.stop()
             for client in self._clients.values():
                 await client.close()
-
-
-DELTA_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
-"""What decode answers per step (``frontend.delta_tensors`` with every output)."""
 
 
 async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,22 +19,25 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.serve.engine.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+)
+from vllm.exceptions import VLLMError
 
 from orchestrator.auth import DeploymentKey
-from orchestrator.config import Topology
+from orchestrator.config import Topology, describe
 from orchestrator.context import RequestContext
-from orchestrator.frontend import Delta, context_length, tensors_delta
-from orchestrator.openai_server.chat import (
-    RESPONSE_OUTPUTS,
-    Answer,
-    generation_defaults,
-    model_inputs,
-)
+from orchestrator.frontend import DELTA_OUTPUTS, Delta, context_length, tensors_delta
+from orchestrator.openai_server.chat import Answer, generation_defaults, model_inputs
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.protocol import InvalidRequest, Overloaded, StageError, TooLarge
 from orchestrator.stage_client import GrpcStageClient
-
-log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -49,13 +51,14 @@ _ERROR_TYPES = {
 }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
     """OpenAI's error shape (vLLM's ``ErrorResponse``), with the status as its code."""
-    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-
     kind = _ERROR_TYPES.get(status, "InternalServerError")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
 
 
 def stage_error_response(exc: StageError) -> JSONResponse:
@@ -122,9 +125,7 @@ class ChatService:
 
     async def deltas(self, model: str, inputs: dict, ctx: RequestContext) -> AsyncIterator[Delta]:
         """The model's steps; closing this generator early cancels the gRPC call."""
-        async with contextlib.aclosing(
-            self.client.call(model, inputs, RESPONSE_OUTPUTS, ctx)
-        ) as rs:
+        async with contextlib.aclosing(self.client.call(model, inputs, DELTA_OUTPUTS, ctx)) as rs:
             async for tensors in rs:
                 yield tensors_delta(tensors)
 
@@ -157,8 +158,6 @@ def create_app(topology: Topology, server: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> JSONResponse:
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
-
         service: ChatService = raw.app.state.service
         root = str(topology.model)
         cards = [
@@ -204,12 +203,6 @@ async def _read_json(service: ChatService, raw: Request) -> Any:
 
 
 def _parse(body: Any) -> Any:
-    from pydantic import ValidationError
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.exceptions import VLLMError
-
-    from orchestrator.config import describe
-
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -229,7 +222,7 @@ async def _chat(service: ChatService, raw: Request) -> Response:
         try:
             request = _parse(await _read_json(service, raw))
             model = service.model_for(request.model)
-            inputs, _ = await model_inputs(request, service.defaults, service.media)
+            inputs = await model_inputs(request, service.defaults, service.media)
         except LookupError as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
@@ -353,9 +346,6 @@ async def _events(
         if usage:
             yield answer.usage_chunk()
     except StageError as exc:
-        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-
-        info = ErrorInfo(message=str(exc), type="StageError", code=exc.http_status)
-        yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
+        yield f"data: {error_body(exc.http_status, str(exc)).model_dump_json()}\n\n"
     slot.release()
     yield "data: [DONE]\n\n"

@@ -14,6 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+from vllm.exceptions import VLLMError
 
 from orchestrator.frontend import CHAT_ROLES, Delta
 from orchestrator.openai_server.media import MediaLoader
@@ -110,8 +120,6 @@ def sampling(request: Any, defaults: dict[str, Any]) -> SamplingOptions:
     """vLLM's own reading of the request's sampling fields (``to_sampling_params``, with
     the checkpoint's defaults), as the engine options the models take; ``max_tokens`` is
     left to the model (``None``: what the context leaves) unless the request sets it."""
-    from vllm.exceptions import VLLMError
-
     asked = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
     try:
         params = request.to_sampling_params(asked or 1 << 20, defaults)
@@ -127,11 +135,9 @@ def sampling(request: Any, defaults: dict[str, Any]) -> SamplingOptions:
         raise InvalidRequest(f"sampling parameters: {exc}") from None
 
 
-async def model_inputs(
-    request: Any, defaults: dict[str, Any], media: MediaLoader
-) -> tuple[Tensors, int]:
-    """The Triton inputs of ``epd`` / ``aggregated`` for a chat request, and the number
-    of images (each fetched or decoded here, then checked again by the model)."""
+async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoader) -> Tensors:
+    """The Triton inputs of ``epd`` / ``aggregated`` for a chat request (each image
+    fetched or decoded here, then checked again by the model)."""
     check_supported(request)
     chat = conversation(request)
     images = [
@@ -149,10 +155,7 @@ async def model_inputs(
     }
     if images:
         inputs["image"] = np.array(images, dtype=np.object_)
-    return inputs, len(images)
-
-
-RESPONSE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    return inputs
 
 
 @dataclass
@@ -175,23 +178,15 @@ class Answer:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 
-    def usage(self) -> Any:
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
+    def usage(self) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
         )
 
-    def response(self) -> Any:
+    def response(self) -> ChatCompletionResponse:
         """The whole answer (``stream: false``)."""
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponse,
-            ChatCompletionResponseChoice,
-            ChatMessage,
-        )
-
         choice = ChatCompletionResponseChoice(
             index=0,
             message=ChatMessage(role="assistant", content="".join(self.text)),
@@ -205,12 +200,6 @@ class Answer:
         self, role: str | None = None, text: str | None = None, finish: str | None = None
     ) -> str:
         """One server-sent event of the stream (``stream: true``)."""
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
-
         delta = DeltaMessage(role=role, content=text) if role else DeltaMessage(content=text)
         choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)
         chunk = ChatCompletionStreamResponse(
@@ -224,8 +213,6 @@ class Answer:
 
     def usage_chunk(self) -> str:
         """The last event when ``stream_options.include_usage``: no choices, the usage."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
-
         chunk = ChatCompletionStreamResponse(
             id=self.id,
             object="chat.completion.chunk",

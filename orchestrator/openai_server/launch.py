@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.config import ServerSpec
-from orchestrator.triton.server import terminate_with_parent
+from orchestrator.triton.server import spawn
 
 
 @dataclass
@@ -46,19 +46,7 @@ class OpenAIFront:
             f"--topology={self.topology_file}",
             f"--server={self.server}",
         ]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child from here on
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=terminate_with_parent,
-            )
-        finally:
-            log.close()
+        self._proc = spawn(cmd, {**os.environ, **self.env}, self.log_path)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until ``/health`` answers 200 (its Triton models are ready too)."""

@@ -29,13 +29,28 @@ import pytriton
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
 
 
-def terminate_with_parent() -> None:
+def _terminate_with_parent() -> None:
     """In the child before exec: SIGTERM it when its parent dies, even by SIGKILL.
 
     The server runs in its own session (so a terminal's Ctrl-C reaches only us and we stop
     it in order); without this, a killed ``epd serve`` or test would orphan it.
     """
     _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(cmd: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
+    """A server process in its own session (so one signal stops its whole group), its
+    output appended to ``log_path``, SIGTERMed should we die."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd,
+            env=dict(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent,
+        )
 
 
 FULL_INSTALL_ENV = "EPD_TRITON_PATH"
@@ -189,19 +204,7 @@ class TritonServer:
             "--log-verbose=0",
             *self._restrictions(),
         ]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child from here on
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=terminate_with_parent,
-            )
-        finally:
-            log.close()
+        self._proc = spawn(cmd, env, self.log_path)
 
     def _restrictions(self) -> list[str]:
         """Triton's own header check on the APIs nobody outside the deployment may use:

@@ -11,7 +11,7 @@ import base64
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -228,47 +228,59 @@ def _wait(check, timeout_s: float) -> bool:
     return False
 
 
-def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
-    """A long answer, streamed; meanwhile another request finds the front full (429, it
-    takes one at a time here); then the client hangs up: every stage is idle at once."""
-    front = stack.topology.servers["front"]
-    long = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
-    body = {"model": "epd", "messages": CASES["photo"], **long}
-    url = f"{base_url(stack)}/chat/completions"
-    stopped = (front, "epd_requests_stopped_total")
-    for _ in range(4):  # Triton 2.51 loses a gRPC cancel now and then (test_lifecycle.TRIES)
+def _hang_up_stops_every_stage(stack: Deployment, hang_up: Callable[[], None]) -> None:
+    """``hang_up()`` sends a long request and leaves; then every stage must be idle within
+    seconds. Triton 2.51 loses a gRPC cancel now and then (``test_lifecycle.TRIES``): a
+    hang-up ``epd`` never heard of is tried again once that request has run to its end."""
+    stopped = (stack.topology.servers["front"], "epd_requests_stopped_total")
+    for _ in range(4):
         before = scrape(*stopped, model="epd", reason="cancelled")
-        with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as one:
-            lines = one.iter_lines()
-            assert next(lines).startswith("data: ")  # the role: decoding has begun
-            status, message = _status(client)
-            assert status == 429 and "limit of 1 requests in flight" in message
-        heard = _wait(lambda b=before: scrape(*stopped, model="epd", reason="cancelled") > b, 2)
-        if heard:
+        hang_up()
+        if _wait(lambda b=before: scrape(*stopped, model="epd", reason="cancelled") > b, 3):
             assert _wait(lambda: _engine_busy(stack) == 0, 5), "stages still busy after hang-up"
             return
         print("  Triton 2.51 did not deliver this cancel; the request runs to its end")
         assert _wait(lambda: _engine_busy(stack) == 0, 120)
     raise AssertionError("no hang-up of 4 reached epd")
+
+
+LONG = {
+    "model": "epd",
+    "messages": CASES["photo"],
+    "max_tokens": 1500,
+    "ignore_eos": True,
+    "temperature": 0,
+}
+"""A request that runs for seconds if nobody stops it."""
+
+
+def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
+    """A long answer, streamed; meanwhile another request finds the front full (429, it
+    takes one at a time here); then the client hangs up: every stage is idle at once."""
+
+    def stream_then_leave() -> None:
+        body = {**LONG, "stream": True}
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{base_url(stack)}/chat/completions", json=body) as one,
+        ):
+            lines = one.iter_lines()  # kept: dropping it would close the stream early
+            assert next(lines).startswith("data: ")  # the role: decoding has begun
+            status, message = _status(client)
+            assert status == 429 and "limit of 1 requests in flight" in message
+
+    _hang_up_stops_every_stage(stack, stream_then_leave)
 
 
 def test_hang_up_while_waiting_for_a_whole_answer_stops_every_stage(stack):
     """Not streaming, the client gives up (its read timeout) before the answer is whole:
     the request stops in every stage, as when a stream is closed."""
-    front = stack.topology.servers["front"]
-    body = {"model": "epd", "messages": CASES["photo"], "max_tokens": 1500, "ignore_eos": True}
-    stopped = (front, "epd_requests_stopped_total")
-    for _ in range(4):  # Triton 2.51 loses a gRPC cancel now and then (test_lifecycle.TRIES)
-        before = scrape(*stopped, model="epd", reason="cancelled")
+
+    def wait_then_leave() -> None:
         with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=0.5) as http:
-            http.post(f"{base_url(stack)}/chat/completions", json=body)
-        heard = _wait(lambda b=before: scrape(*stopped, model="epd", reason="cancelled") > b, 3)
-        if heard:
-            assert _wait(lambda: _engine_busy(stack) == 0, 5), "stages still busy after hang-up"
-            return
-        print("  Triton 2.51 did not deliver this cancel; the request runs to its end")
-        assert _wait(lambda: _engine_busy(stack) == 0, 120)
-    raise AssertionError("no hang-up of 4 reached epd")
+            http.post(f"{base_url(stack)}/chat/completions", json=LONG)
+
+    _hang_up_stops_every_stage(stack, wait_then_leave)
 
 
 @pytest.fixture(scope="module")
