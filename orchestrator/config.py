@@ -13,10 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-StageName = Literal["encode", "prefill", "decode", "epd", "aggregated"]
+StageName = Literal["encode", "prefill", "decode", "pd", "epd", "aggregated"]
+"""Triton models a server can host. ``encode`` brings its ``vision_encoder`` along; ``pd``
+is one engine that prefills and decodes (E+PD), instead of ``prefill`` + ``decode``."""
 PUBLIC_STAGES: frozenset[str] = frozenset({"epd", "aggregated"})
 """Entry points clients call; every other stage is internal (needs the deployment key)."""
-"""Triton models a server can host. ``encode`` brings its ``vision_encoder`` along."""
 
 TransferKind = Literal["nixl", "mooncake", "inline"]
 EncoderRuntimeKind = Literal["onnxruntime", "tensorrt"]
@@ -262,13 +263,18 @@ class Topology(_Spec):
         for name, server in self.servers.items():
             for stage in server.stages:
                 hosting.setdefault(stage, []).append(name)
-        if not hosting.keys() & {"epd", "aggregated"}:
+        if not hosting.keys() & PUBLIC_STAGES:
             problems.append("no server hosts an entry point: add 'epd' or 'aggregated'")
-        required = ("encode", "prefill", "decode", "epd") if "epd" in hosting else ()
-        for stage in required:
-            owners = hosting.get(stage, [])
-            if not owners:
-                problems.append(f"'epd' needs stage {stage!r}, which no server hosts")
+        if "epd" in hosting:
+            problems += _epd_route_problems(hosting)
+        for name, server in self.servers.items():
+            public, internal = _split(server.stages)
+            if public and internal:
+                problems.append(
+                    f"server {name!r} hosts entry points {public} and internal stages "
+                    f"{internal}: clients reach the entry points' server, so internal stages "
+                    "need servers of their own (docs/security.md)"
+                )
         for name, server in self.servers.items():
             models = {*server.stages, *(["vision_encoder"] if "encode" in server.stages else [])}
             for model, count in server.instances.items():
@@ -297,6 +303,11 @@ class Topology(_Spec):
             raise ValueError("invalid topology: " + "; ".join(problems))
         return self
 
+    @property
+    def one_engine(self) -> bool:
+        """E+PD: ``epd`` sends the prompt to one ``pd`` engine, not to prefill then decode."""
+        return bool(self.servers_of("pd"))
+
     def servers_of(self, stage: StageName) -> dict[str, ServerSpec]:
         """Every server hosting ``stage``, by name (several scale a stage out)."""
         return {name: s for name, s in self.servers.items() if stage in s.stages}
@@ -321,27 +332,54 @@ class Topology(_Spec):
             raise ValueError(f"{path}: {describe(exc)}") from None
 
 
-def default_topology(model: Path) -> Topology:
-    """The embedded CPU default: encoder, prefill and decode+front as three local servers.
+def _split(stages: list[StageName]) -> tuple[list[str], list[str]]:
+    """A server's stages as (entry points, internal stages)."""
+    return (
+        [s for s in stages if s in PUBLIC_STAGES],
+        [s for s in stages if s not in PUBLIC_STAGES],
+    )
+
+
+def _epd_route_problems(hosting: dict[str, list[str]]) -> list[str]:
+    """What keeps ``epd`` from routing E -> PD (a ``pd`` stage) or E -> P -> D."""
+    if "pd" in hosting and hosting.keys() & {"prefill", "decode"}:
+        return [
+            "'epd' routes a request either to one engine ('pd', E+PD) or to 'prefill' then "
+            "'decode' (E/P/D), not both: host 'pd' or 'prefill' + 'decode'"
+        ]
+    needed = ("encode", "pd") if "pd" in hosting else ("encode", "prefill", "decode")
+    return [f"'epd' needs stage {s!r}, which no server hosts" for s in needed if s not in hosting]
+
+
+LocalLayout = Literal["E+PD", "E/P/D"]
+
+_LOCAL_STAGE_SERVERS: dict[LocalLayout, dict[str, list[StageName]]] = {
+    "E+PD": {"llm": ["pd"]},
+    "E/P/D": {"prefill": ["prefill"], "decode": ["decode"]},
+}
+
+
+def default_topology(model: Path, layout: LocalLayout = "E+PD") -> Topology:
+    """The embedded CPU default: the encoder, the LLM stage(s) and the front (entry points
+    only), each a local server. ``E+PD`` (the default) runs one engine that prefills and
+    decodes; ``E/P/D`` separate prefill and decode engines (``topologies/e-p-d-local.yaml``).
 
     The front keeps Triton's default ports 8000/8001/8002 so stock clients just work, and
     serves the OpenAI API on 9000 (as Triton's own OpenAI frontend does).
     """
-    return Topology(
-        model=model,
-        servers={
-            "encoder": ServerSpec(
-                http_port=8100, grpc_port=8101, metrics_port=8102, stages=["encode"]
-            ),
-            "prefill": ServerSpec(
-                http_port=8200, grpc_port=8201, metrics_port=8202, stages=["prefill"]
-            ),
-            "front": ServerSpec(
-                http_port=8000,
-                grpc_port=8001,
-                metrics_port=8002,
-                openai_port=9000,
-                stages=["decode", "epd", "aggregated"],
-            ),
-        },
+    servers = {
+        "encoder": ServerSpec(http_port=8100, grpc_port=8101, metrics_port=8102, stages=["encode"])
+    }
+    for i, (name, stages) in enumerate(_LOCAL_STAGE_SERVERS[layout].items()):
+        base = 8200 + 100 * i
+        servers[name] = ServerSpec(
+            http_port=base, grpc_port=base + 1, metrics_port=base + 2, stages=stages
+        )
+    servers["front"] = ServerSpec(
+        http_port=8000,
+        grpc_port=8001,
+        metrics_port=8002,
+        openai_port=9000,
+        stages=["epd", "aggregated"],
     )
+    return Topology(model=model, servers=servers)

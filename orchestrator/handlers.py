@@ -34,6 +34,7 @@ from orchestrator.protocol import (
     EncodeResult,
     InvalidRequest,
     Overloaded,
+    PrefillDecodeRequest,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -209,62 +210,53 @@ class EncodeHandler:
         self.producer.close()
 
 
-class PrefillHandler:
-    """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
+class EmbeddingPuller:
+    """The consuming side of the embedding handoff, for ``prefill`` and ``pd``: checks each
+    handle before anything is dialled or allocated, refuses replays, pulls every image's
+    embeddings into its rows of the engine input, and keeps recently pulled ones (this
+    server's own cache, so a repeated image costs no pull)."""
 
-    def __init__(self, ctx: ModelContext) -> None:
+    def __init__(self, ctx: ModelContext, metrics: Any) -> None:
         from orchestrator.families import family_for
-        from orchestrator.metrics import MetricsPublisher, publish_engine
         from orchestrator.transfer import make_consumer
 
         topo = ctx.topology
-        kind = topo.transfer.kind
         self.family = family_for(topo.model)
         self.key = DeploymentKey.from_env()
         self.encoder_hosts = {topo.servers[name].host for name in topo.servers_of("encode")}
         self.used: OrderedDict[str, None] = OrderedDict()
-        """Ids of the handles this prefill consumed lately: a handle is good for one use."""
-        self.engine = LLMEngine.for_model(ctx, "prefill")
-        self.public_host = ctx.topology.servers[ctx.server].host
-        self.consumer = make_consumer(kind, host=self.public_host)
-        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, "transport": kind})
-        publish_engine(self.metrics, self.engine, "prefill")
-        self.fetch_seconds = self.metrics.histogram(
+        """Ids of the handles consumed here lately: a handle is good for one use."""
+        self.consumer = make_consumer(topo.transfer.kind, host=topo.servers[ctx.server].host)
+        self.fetch_seconds = metrics.histogram(
             "epd_embedding_fetch_seconds", "Time to pull one image's embeddings from its encoder"
         )
         self.fetched_bytes = 0
-        self.metrics.counter(
+        metrics.counter(
             "epd_embedding_fetch_bytes_total",
             "Embedding bytes pulled from encoders",
             lambda: self.fetched_bytes,
         )
-        self.local = LocalEmbeddingCache(ctx.topology.transfer.prefill_cache_bytes)
-        self.metrics.counter(
+        self.local = LocalEmbeddingCache(topo.transfer.prefill_cache_bytes)
+        metrics.counter(
             "epd_prefill_cache_hits_total",
-            "Images whose embeddings prefill already held (not pulled again)",
+            "Images whose embeddings this server already held (not pulled again)",
             lambda: self.local.hits,
         )
 
-    @classmethod
-    async def create(cls, ctx: ModelContext) -> PrefillHandler:
-        handler = cls(ctx)
-        handler.metrics.start()
-        return handler
-
-    def _fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> bool:
-        """Fill ``out`` with the handle's embeddings; True if they were pulled (not held)."""
-        if (held := self.local.get(handle.content_hash)) is not None:
-            try:
-                self.consumer.release(handle)
-            except Exception as exc:  # noqa: BLE001 - the pin then lasts until its TTL
-                log.warning("release of handle %s failed: %s", handle.handle_id, exc)
-            out[...] = held
-            return False
-        start = time.perf_counter()
-        self.consumer.fetch_into(handle, out)
-        self.fetch_seconds.observe(time.perf_counter() - start)
-        self.local.put(handle.content_hash, out)
-        return True
+    async def prompt(self, text: str, handles: list[EmbeddingHandle]) -> dict[str, Any]:
+        """vLLM's prompt for ``text`` with the handles' images, their embeddings pulled."""
+        for handle in handles:
+            self.check_handle(handle)
+        for handle in handles:
+            _remember(self.used, handle.handle_id, None, USED_HANDLES_REMEMBERED)
+        prompt: dict[str, Any] = {"prompt": text}
+        if handles:
+            embeds = await self._pull(handles)
+            layouts = [h.layout for h in handles]
+            prompt["multi_modal_data"] = {"image": self.family.prefill_images(embeds, layouts)}
+            # vLLM's identity of each image: its content, not the tensor it is given.
+            prompt["multi_modal_uuids"] = {"image": [h.content_hash for h in handles]}
+        return prompt
 
     def check_handle(self, handle: EmbeddingHandle) -> None:
         """Before anything is dialled or allocated: an encoder of this deployment signed
@@ -287,6 +279,21 @@ class PrefillHandler:
                 f"images are at most {limit} tokens of width {self.family.hidden_size}"
             )
 
+    def _fetch_into(self, handle: EmbeddingHandle, out: np.ndarray) -> bool:
+        """Fill ``out`` with the handle's embeddings; True if they were pulled (not held)."""
+        if (held := self.local.get(handle.content_hash)) is not None:
+            try:
+                self.consumer.release(handle)
+            except Exception as exc:  # noqa: BLE001 - the pin then lasts until its TTL
+                log.warning("release of handle %s failed: %s", handle.handle_id, exc)
+            out[...] = held
+            return False
+        start = time.perf_counter()
+        self.consumer.fetch_into(handle, out)
+        self.fetch_seconds.observe(time.perf_counter() - start)
+        self.local.put(handle.content_hash, out)
+        return True
+
     async def _pull(self, handles: list[EmbeddingHandle]) -> np.ndarray:
         """All images' embeddings in one array (vLLM's input), each pulled into its rows."""
         widths = {(h.shape[1], h.dtype) for h in handles}
@@ -303,19 +310,36 @@ class PrefillHandler:
                 self.fetched_bytes += handle.nbytes  # summed on the loop thread only
         return embeds
 
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class PrefillHandler:
+    """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.families import family_for
+        from orchestrator.metrics import MetricsPublisher, publish_engine
+
+        topo = ctx.topology
+        self.family = family_for(topo.model)
+        self.engine = LLMEngine.for_model(ctx, "prefill")
+        self.public_host = topo.servers[ctx.server].host
+        self.metrics = MetricsPublisher(
+            ctx.pb_utils, {"server": ctx.server, "transport": topo.transfer.kind}
+        )
+        publish_engine(self.metrics, self.engine, "prefill")
+        self.puller = EmbeddingPuller(ctx, self.metrics)
+
+    @classmethod
+    async def create(cls, ctx: ModelContext) -> PrefillHandler:
+        handler = cls(ctx)
+        handler.metrics.start()
+        return handler
+
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
-        for handle in request.handles:
-            self.check_handle(handle)
-        for handle in request.handles:
-            _remember(self.used, handle.handle_id, None, USED_HANDLES_REMEMBERED)
-        prompt: dict[str, Any] = {"prompt": request.prompt}
-        if request.handles:
-            embeds = await self._pull(request.handles)
-            layouts = [h.layout for h in request.handles]
-            prompt["multi_modal_data"] = {"image": self.family.prefill_images(embeds, layouts)}
-            # vLLM's identity of each image: its content, not the tensor it is given.
-            prompt["multi_modal_uuids"] = {"image": [h.content_hash for h in request.handles]}
+        prompt = await self.puller.prompt(request.prompt, request.handles)
         from vllm import SamplingParams
 
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
@@ -347,7 +371,45 @@ class PrefillHandler:
     async def close(self) -> None:
         await self.metrics.stop()
         self.engine.shutdown()
-        self.consumer.close()
+        self.puller.close()
+
+
+class PrefillDecodeHandler:
+    """E+PD: one vLLM engine pulls the embeddings by handle, prefills and streams the
+    decode itself (no KV moves between engines, one scheduler)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        from orchestrator.metrics import MetricsPublisher, publish_engine
+
+        topo = ctx.topology
+        self.engine = LLMEngine.for_model(ctx, "pd")
+        self.metrics = MetricsPublisher(
+            ctx.pb_utils, {"server": ctx.server, "transport": topo.transfer.kind}
+        )
+        publish_engine(self.metrics, self.engine, "pd")
+        self.puller = EmbeddingPuller(ctx, self.metrics)
+
+    @classmethod
+    async def create(cls, ctx: ModelContext) -> PrefillDecodeHandler:
+        handler = cls(ctx)
+        handler.metrics.start()
+        return handler
+
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
+        request = from_tensor(inputs, "request", PrefillDecodeRequest)
+        prompt = await self.puller.prompt(request.prompt, request.handles)
+        sampling = to_vllm_sampling(request.sampling)
+        outputs = self.engine.generate(prompt, sampling, request.request_id)
+        async for response in completion_responses(deltas_of(outputs), True, ExtraOutputs.every()):
+            yield response
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def close(self) -> None:
+        await self.metrics.stop()
+        self.engine.shutdown()
+        self.puller.close()
 
 
 class DecodeHandler:

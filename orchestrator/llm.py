@@ -1,7 +1,9 @@
-"""vLLM hosted inside a Triton python model: one class for prefill, decode and aggregated.
+"""vLLM hosted inside a Triton python model: one class for every role.
 
-The three roles differ only by configuration (KV role, whether images arrive as pixels,
-as pulled embeddings, or as grid-only metadata), so they share this one engine host.
+The roles differ only by configuration (KV role, whether images arrive as pixels, as
+pulled embeddings, or as grid-only metadata), so they share this one engine host:
+``prefill`` and ``decode`` (E/P/D, KV moved between them), ``pd`` (E+PD: embeddings in,
+prefill and decode in one engine) and ``aggregated`` (pixels in).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from orchestrator.protocol import InvalidRequest, SamplingOptions, Unavailable
 if TYPE_CHECKING:
     from orchestrator.triton.runner import ModelContext
 
-LLMRole = Literal["prefill", "decode", "aggregated"]
+LLMRole = Literal["prefill", "decode", "pd", "aggregated"]
 
 
 def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any]:
@@ -35,7 +37,7 @@ def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any
     }
     if "max_model_len" not in args:  # explicit, so the front's budget check knows it
         args["max_model_len"] = model_context(topology.model)
-    if role == "prefill":
+    if role in ("prefill", "pd"):
         args["enable_mm_embeds"] = True
     if role in ("prefill", "decode"):
         args["kv_transfer_config"] = {

@@ -1,4 +1,4 @@
-"""The E -> P -> D request flow behind the public ``epd`` model.
+"""The E -> P -> D (or E -> PD) request flow behind the public ``epd`` model.
 
 Each stage is reached through a gRPC ``StageClient``, over loopback when the stage is
 hosted by this server (decoupled BLS is unsafe in Triton 2.51: ``stage_client.BlsInfer``).
@@ -9,11 +9,13 @@ embeddings itself, decode pulls the KV itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from orchestrator.context import RequestContext
 from orchestrator.frontend import (
     DELTA_OUTPUTS,
     Delta,
+    FrontRequest,
     PromptBuilder,
     completion_responses,
     parse_front_request,
@@ -35,10 +38,12 @@ from orchestrator.protocol import (
     EncodeResult,
     InvalidRequest,
     Overloaded,
+    PrefillDecodeRequest,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
     SamplingOptions,
+    StageError,
     StageUnreachable,
     Unavailable,
     from_tensor,
@@ -50,6 +55,7 @@ from orchestrator.triton.runner import ModelContext
 
 Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CLEANUP_TIMEOUT_S = 5.0
 """Bound on the calls that clean up after a failed or cancelled request (release handles,
@@ -57,13 +63,16 @@ free prefill's KV): past it the encoder's TTL and vLLM's KV lease are the backst
 
 
 class EPDPipeline:
-    """Handler of the ``epd`` model: validate, encode, prefill, then stream decode.
+    """Handler of the ``epd`` model: validate, encode, then prefill and stream decode --
+    on one ``pd`` engine (E+PD) when the topology has one, else on ``prefill`` then
+    ``decode`` (E/P/D).
 
     Failure policy: an image whose encode fails with UNAVAILABLE (encoder dead, its cache
-    full) is retried on another encoder; if prefill cannot pull the embeddings (their
-    encoder died after answering), the images are encoded again elsewhere and prefill is
-    retried once. Prefill and decode are not retried: a dead one fails the request at once
-    with a message naming it, and is skipped until its readiness probe passes again.
+    full) is retried on another encoder; if prefill (or pd) cannot pull the embeddings
+    (their encoder died after answering), the images are encoded again elsewhere and that
+    stage is retried once. LLM stages are not retried otherwise: a dead one fails the
+    request at once with a message naming it, and is skipped until its readiness probe
+    passes again.
     """
 
     def __init__(self, ctx: ModelContext) -> None:
@@ -72,11 +81,16 @@ class EPDPipeline:
         topo = ctx.topology
         self.limits = topo.limits
         self.routing = topo.routing
-        self.prompts = PromptBuilder.for_topology(topo, ("prefill", "decode"))
+        self.one_engine = topo.one_engine
+        self.llm_stages: tuple[StageName, ...] = (
+            ("pd",) if self.one_engine else ("prefill", "decode")
+        )
+        """Where a prompt goes after its images are encoded: E+PD or E/P/D."""
+        self.prompts = PromptBuilder.for_topology(topo, self.llm_stages)
         key = DeploymentKey.from_env()
         self._clients: dict[str, StageClient] = {}
         self.routes: dict[StageName, StageRoute] = {}
-        for stage in ("encode", "prefill", "decode"):
+        for stage in ("encode", *self.llm_stages):
             targets = {}
             for name, server in topo.servers_of(stage).items():
                 if name not in self._clients:
@@ -126,41 +140,124 @@ class EPDPipeline:
         start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
         prompt = self.prompts.build_chat(request.messages)
-        stages = ("encode", "prefill", "decode") if request.images else ("prefill", "decode")
+        stages = ("encode", *self.llm_stages) if request.images else self.llm_stages
         for stage in stages:  # text-only requests do not need an encoder
             await self.routes[stage].require(self.routing.probe_timeout_s)
 
         handles, holders = await self._encode_all(request.images, ctx)
-        encoded = time.perf_counter()
+        self.seconds["encode"].observe(time.perf_counter() - start)
+        flow = self._prefill_and_decode if self.one_engine else self._prefill_then_decode
+        deltas = flow(prompt, request, handles, holders, ctx)
+        first = True
+        async for response in completion_responses(deltas, request.stream, request.outputs):
+            if first:
+                self.seconds["first_token"].observe(time.perf_counter() - start)
+                first = False
+            yield response
+        self.seconds["request"].observe(time.perf_counter() - start)
+
+    async def _start(
+        self,
+        begin: Callable[[list[EmbeddingHandle], SamplingOptions], Awaitable[T]],
+        prompt: str,
+        request: FrontRequest,
+        handles: list[EmbeddingHandle],
+        holders: list[str],
+        ctx: RequestContext,
+    ) -> tuple[T, list[EmbeddingHandle], SamplingOptions]:
+        """Fit the prompt to the context, then ``begin`` the stage that pulls the embeddings
+        (prefill, or pd up to its first token). If that stage is up but could not pull them
+        (their encoder died after answering), the images are encoded again, elsewhere if
+        need be, and it is begun once more. If it fails, or the client cancels, the handles
+        are released at once: what was not pulled would stay pinned until its TTL."""
         try:
-            image_tokens = [h.layout.tokens for h in handles]
-            _, sampling = self.prompts.fit(prompt, image_tokens, request.sampling)
+            tokens = [h.layout.tokens for h in handles]
+            _, sampling = self.prompts.fit(prompt, tokens, request.sampling)
             try:
-                result = await self._prefill_to_the_end(prompt, handles, ctx)
+                return await begin(handles, sampling), handles, sampling
             except Unavailable as exc:
                 if not handles or isinstance(exc, StageUnreachable | DeadlineExceeded | Overloaded):
                     raise
-                # Prefill is up but could not pull the embeddings: find out which encoders
-                # are gone, then encode again (elsewhere if need be) and retry once.
-                log.warning(
-                    "request %s: prefill could not pull embeddings (%s)", ctx.request_id, exc
-                )
+                log.warning("request %s: could not pull embeddings (%s)", ctx.request_id, exc)
                 route = self.routes["encode"]
                 for name in set(holders):
                     if not await route.probe(name, self.routing.probe_timeout_s):
                         self.reuse.forget_server(name)
                 await self._release(handles, holders)
                 handles, holders = await self._encode_all(request.images, ctx)
-                result = await self._prefill_to_the_end(prompt, handles, ctx)
+                return await begin(handles, sampling), handles, sampling
         except BaseException:
-            # Whatever prefill did not pull would stay pinned until its TTL otherwise
-            # (also when the client cancelled: the handles go at once).
             await self._cleanup(self._release(handles, holders))
             raise
-        prefilled = time.perf_counter()
-        self.seconds["encode"].observe(encoded - start)
-        self.seconds["prefill"].observe(prefilled - encoded)
 
+    async def _prefill_and_decode(
+        self,
+        prompt: str,
+        request: FrontRequest,
+        handles: list[EmbeddingHandle],
+        holders: list[str],
+        ctx: RequestContext,
+    ) -> AsyncIterator[Delta]:
+        """E+PD: one ``pd`` engine pulls the embeddings, prefills and streams the answer."""
+        route = self.routes["pd"]
+
+        async def first_delta(
+            pulled_by: list[EmbeddingHandle], sampling: SamplingOptions
+        ) -> tuple[Delta, AsyncIterator[Delta]]:
+            message = PrefillDecodeRequest(
+                request_id=ctx.request_id, prompt=prompt, handles=pulled_by, sampling=sampling
+            )
+            stream = self._stream(route, message, ctx)
+            try:
+                return await anext(stream), stream
+            except StopAsyncIteration:
+                raise StageError("pd answered nothing") from None
+            except BaseException:
+                await stream.aclose()
+                raise
+
+        (first, stream), _, _ = await self._start(
+            first_delta, prompt, request, handles, holders, ctx
+        )
+        async with contextlib.aclosing(stream):
+            yield first
+            async for delta in stream:
+                yield delta
+
+    async def _stream(
+        self, route: StageRoute, message: PrefillDecodeRequest, ctx: RequestContext
+    ) -> AsyncIterator[Delta]:
+        name = route.choose()
+        try:
+            with route.use(name) as client:
+                tensors = to_tensor("request", message)
+                async for response in client.call(route.stage, tensors, DELTA_OUTPUTS, ctx):
+                    yield tensors_delta(response)
+        except StageUnreachable as exc:
+            route.mark_down(name, str(exc))
+            raise
+
+    async def _prefill_then_decode(
+        self,
+        prompt: str,
+        request: FrontRequest,
+        handles: list[EmbeddingHandle],
+        holders: list[str],
+        ctx: RequestContext,
+    ) -> AsyncIterator[Delta]:
+        """E/P/D: prefill pulls the embeddings and computes the KV; decode pulls the KV and
+        streams the answer."""
+        started = time.perf_counter()
+
+        async def prefill(
+            pulled_by: list[EmbeddingHandle], sampling: SamplingOptions
+        ) -> PrefillResult:
+            return await self._prefill_to_the_end(prompt, pulled_by, ctx)
+
+        result, handles, sampling = await self._start(
+            prefill, prompt, request, handles, holders, ctx
+        )
+        self.seconds["prefill"].observe(time.perf_counter() - started)
         decode = DecodeRequest(
             request_id=ctx.request_id,
             prompt=prompt,
@@ -176,12 +273,9 @@ class EPDPipeline:
         try:
             with route.use(name) as decoder:
                 responses = decoder.call("decode", to_tensor("request", decode), DELTA_OUTPUTS, ctx)
-                deltas = _deltas(responses, result.num_prompt_tokens)
-                async for response in completion_responses(deltas, request.stream, request.outputs):
-                    if first:
-                        self.seconds["first_token"].observe(time.perf_counter() - start)
-                        first = False
-                    yield response
+                async for delta in _deltas(responses, result.num_prompt_tokens):
+                    first = False
+                    yield delta
         except BaseException as exc:
             if isinstance(exc, StageUnreachable):
                 route.mark_down(name, str(exc))
@@ -190,7 +284,6 @@ class EPDPipeline:
                 kv_params = decode.kv_transfer_params
                 await self._cleanup(self._abandon(ctx.request_id, kv_params, name))
             raise
-        self.seconds["request"].observe(time.perf_counter() - start)
 
     async def _cleanup(self, work: Awaitable[None]) -> None:
         """Run cleanup of a failed or cancelled request, bounded: it must not hold the

@@ -217,6 +217,16 @@ class PrefillRequest(_Wire):
     handles: list[EmbeddingHandle] = Field(default_factory=list)
 
 
+class PrefillDecodeRequest(_Wire):
+    """Front -> pd (E+PD): the templated prompt, where its image embeddings are, and how to
+    sample; one engine prefills and streams the answer."""
+
+    request_id: str
+    prompt: str
+    handles: list[EmbeddingHandle] = Field(default_factory=list)
+    sampling: SamplingOptions
+
+
 class DecodeRequest(_Wire):
     """Front -> decode: prompt, image layouts only (no embeddings) and the KV to pull."""
 

@@ -116,7 +116,7 @@ _CHANNEL_ARGS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-_PROBE_INPUT = {"encode": "release", "prefill": "request", "decode": "request"}
+_PROBE_INPUT = {"encode": "release", "prefill": "request", "decode": "request", "pd": "request"}
 """A required (or harmless) input of each stage model: a probe must pass Triton's input
 checks to reach the model, which answers it without reading the value."""
 

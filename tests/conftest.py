@@ -92,9 +92,12 @@ def local_topology(
 EPD_LAYOUT = {
     "encoder": ["encode"],
     "prefill": ["prefill"],
-    "front": ["decode", "epd", "aggregated"],
+    "decode": ["decode"],
+    "front": ["epd", "aggregated"],
 }
-"""The embedded default's shape: three servers, as `epd serve` runs them."""
+"""E/P/D as `topologies/e-p-d-local.yaml` runs it: a server per stage, entry points apart."""
+E_PD_LAYOUT = {"encoder": ["encode"], "llm": ["pd"], "front": ["epd", "aggregated"]}
+"""E+PD, the embedded default's shape (`epd serve` without --topology)."""
 
 
 def scrape(server: ServerSpec, name: str, **labels: str) -> float:
@@ -138,10 +141,14 @@ def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:
         yield topology
 
 
-@pytest.fixture(scope="module")
-def epd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    """The three-server EPD deployment, started once per module and always stopped."""
-    yield from running_stack(local_topology(tiny_model, EPD_LAYOUT), tmp_path_factory.mktemp("epd"))
+@pytest.fixture(scope="module", params=["E/P/D", "E+PD"])
+def epd_stack(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Topology]:
+    """The E/P/D and the E+PD deployment in turn, each started once per module and always
+    stopped: every test that uses it holds for both layouts."""
+    layout = EPD_LAYOUT if request.param == "E/P/D" else E_PD_LAYOUT
+    yield from running_stack(local_topology(tiny_model, layout), tmp_path_factory.mktemp("epd"))
 
 
 def assert_epd_matches_aggregated(topology: Topology, text: str, images: list[bytes]) -> None:

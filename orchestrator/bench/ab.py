@@ -15,32 +15,24 @@ from pathlib import Path
 
 from orchestrator.bench.load import LoadPlan, execute
 from orchestrator.bench.schema import RunResult
-from orchestrator.config import ServerSpec, Topology, default_topology
+from orchestrator.config import Topology, default_topology
 
 
-def _e_pd(model: Path) -> Topology:
-    """The encoder on its own server; prefill, decode and the front on another."""
-    base = default_topology(model)
-    servers = {
-        "encoder": base.servers["encoder"],
-        "pd": ServerSpec(
-            http_port=8000, grpc_port=8001, metrics_port=8002, stages=["prefill", "decode", "epd"]
-        ),
-    }
-    return base.model_copy(update={"servers": servers})
+def _e_p_d(model: Path) -> Topology:
+    return default_topology(model, "E/P/D")
 
 
 def _with_transfer(**changes) -> Callable[[Path], Topology]:
     def build(model: Path) -> Topology:
-        base = default_topology(model)
+        base = _e_p_d(model)
         return base.model_copy(update={"transfer": base.transfer.model_copy(update=changes)})
 
     return build
 
 
 VARIANTS: dict[str, tuple[Callable[[Path], Topology], tuple[str, ...]]] = {
-    "e-p-d/nixl": (default_topology, ("epd", "aggregated")),
-    "e-pd/nixl": (_e_pd, ("epd",)),
+    "e-p-d/nixl": (_e_p_d, ("epd", "aggregated")),
+    "e-pd/nixl": (default_topology, ("epd",)),
     "e-p-d/inline": (_with_transfer(kind="inline"), ("epd",)),
     "e-p-d/nixl/no-cache": (_with_transfer(cache=False), ("epd",)),
 }

@@ -31,6 +31,7 @@ MODELS: dict[StageName, tuple[str, ...]] = {
     "encode": ("encode", "vision_encoder"),
     "prefill": ("prefill",),
     "decode": ("decode",),
+    "pd": ("pd",),
     "epd": ("epd",),
     "aggregated": ("aggregated",),
 }
@@ -139,7 +140,7 @@ def render(topology: Topology, out_dir: Path, progress: bool = False) -> dict[st
                     repo / model,
                     ignore=shutil.ignore_patterns("__pycache__", "config.*.pbtxt"),
                 )
-        for role in ("prefill", "decode", "aggregated"):
+        for role in ("prefill", "decode", "pd", "aggregated"):
             if role in server.stages:
                 args = json.dumps(engine_args(topology, name, role), indent=2)
                 (repo / role / "1" / "model.json").write_text(args + "\n")

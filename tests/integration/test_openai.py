@@ -215,7 +215,7 @@ def _engine_busy(stack: Deployment) -> float:
     servers = stack.topology.servers
     return sum(
         scrape(servers[server], "epd_engine_unfinished_requests", role=role)
-        for server, role in (("prefill", "prefill"), ("front", "decode"))
+        for server, role in (("prefill", "prefill"), ("decode", "decode"))
     ) + scrape(servers["encoder"], "epd_encoder_cache_pinned_handles")
 
 

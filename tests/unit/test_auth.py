@@ -157,9 +157,8 @@ def test_a_tensorrt_encoder_on_the_wheel_is_refused_before_anything_starts(tmp_p
 
     servers = {
         "encoder": ServerSpec(http_port=1, grpc_port=2, metrics_port=3, stages=["encode"]),
-        "front": ServerSpec(
-            http_port=4, grpc_port=5, metrics_port=6, stages=["prefill", "decode", "epd"]
-        ),
+        "llm": ServerSpec(http_port=7, grpc_port=8, metrics_port=9, stages=["pd"]),
+        "front": ServerSpec(http_port=4, grpc_port=5, metrics_port=6, stages=["epd"]),
     }
     topology = Topology(model=tmp_path, servers=servers, encoder={"runtime": "tensorrt"})
     absent = tmp_path / "none"

@@ -26,17 +26,44 @@ def _server(port: int, stages: list[str], host: str = "127.0.0.1") -> ServerSpec
     )
 
 
-def test_default_topology_is_three_servers_with_front_on_triton_ports():
+def test_default_topology_is_e_pd_with_front_on_triton_ports():
     topo = default_topology(Path("/m"))
-    assert set(topo.servers) == {"encoder", "prefill", "front"}
+    assert {n: s.stages for n, s in topo.servers.items()} == {
+        "encoder": ["encode"],
+        "llm": ["pd"],
+        "front": ["epd", "aggregated"],
+    }
+    assert topo.one_engine
     assert topo.server_of("epd")[1].ports == (8000, 8001, 8002, 9000)
-    assert topo.server_of("encode")[0] == "encoder"
+    split = default_topology(Path("/m"), "E/P/D")
+    assert not split.one_engine
+    assert [split.server_of(s)[0] for s in ("prefill", "decode")] == ["prefill", "decode"]
 
 
 @pytest.mark.parametrize(
     ("servers", "message"),
     [
-        ({"a": _server(9000, ["epd", "decode"])}, "'epd' needs stage 'encode'"),
+        (
+            {"a": _server(9000, ["epd"]), "b": _server(9100, ["decode"])},
+            "'epd' needs stage 'encode'",
+        ),
+        (
+            {"a": _server(9000, ["epd"]), "b": _server(9100, ["encode", "prefill"])},
+            "'epd' needs stage 'decode'",
+        ),
+        (
+            {"a": _server(9000, ["epd"]), "b": _server(9100, ["encode", "pd", "decode"])},
+            "'epd' routes a request either to one engine ('pd', E+PD) or to 'prefill' then "
+            "'decode' (E/P/D), not both",
+        ),
+        (
+            {"a": _server(9000, ["epd", "decode"]), "b": _server(9100, ["encode", "prefill"])},
+            "server 'a' hosts entry points ['epd'] and internal stages ['decode']",
+        ),
+        (
+            {"a": _server(9000, ["aggregated", "encode"])},
+            "internal stages need servers of their own",
+        ),
         ({"a": _server(9000, ["prefill"])}, "no server hosts an entry point"),
         (
             {"a": _server(9000, ["aggregated"]), "b": _server(9001, ["aggregated"])},
@@ -110,15 +137,19 @@ def test_render_writes_every_servers_repository(tiny_model: Path, tmp_path: Path
     models = {name: sorted(p.name for p in repo.iterdir()) for name, repo in repos.items()}
     assert models == {
         "encoder": ["encode", "vision_encoder"],
-        "prefill": ["prefill"],
-        "front": ["aggregated", "decode", "epd"],
+        "llm": ["pd"],
+        "front": ["aggregated", "epd"],
     }
     assert (repos["encoder"] / "vision_encoder" / "1" / "model.onnx").stat().st_size > 0
+    pd = json.loads((repos["llm"] / "pd" / "1" / "model.json").read_text())
+    assert pd["enable_mm_embeds"] is True and "kv_transfer_config" not in pd
+    repos = render(default_topology(tiny_model, "E/P/D"), tmp_path)
     prefill = json.loads((repos["prefill"] / "prefill" / "1" / "model.json").read_text())
     assert prefill["kv_transfer_config"]["kv_role"] == "kv_producer"
     assert prefill["enable_mm_embeds"] is True
-    decode = json.loads((repos["front"] / "decode" / "1" / "model.json").read_text())
+    decode = json.loads((repos["decode"] / "decode" / "1" / "model.json").read_text())
     assert decode["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert "enable_mm_embeds" not in decode
     config = (repos["encoder"] / "encode" / "config.pbtxt").read_text()
     assert 'key: "server", value: { string_value: "encoder" }' in config
     assert 'key: "encoder_id"' in config
@@ -130,7 +161,8 @@ def test_a_stage_may_scale_out_over_several_servers():
         servers={
             "e1": _server(9000, ["encode"]),
             "e2": _server(9100, ["encode"]),
-            "f": _server(9200, ["epd", "prefill", "decode"]),
+            "f": _server(9200, ["epd"]),
+            "p": _server(9300, ["pd"]),
         },
     )
     assert list(topo.servers_of("encode")) == ["e1", "e2"]
@@ -147,12 +179,12 @@ def test_shipped_topologies_are_valid(path: Path):
 def test_per_server_engine_args_and_instances_are_rendered(tiny_model: Path, tmp_path: Path):
     from orchestrator.triton.repository import render
 
-    topo = default_topology(tiny_model)
+    topo = default_topology(tiny_model, "E/P/D")
     topo.servers["prefill"].engine_args = {"max_num_seqs": 4}
     topo.servers["encoder"].instances = {"vision_encoder": 2}
     repos = render(Topology.model_validate(topo.model_dump()), tmp_path)
     prefill = json.loads((repos["prefill"] / "prefill" / "1" / "model.json").read_text())
-    decode = json.loads((repos["front"] / "decode" / "1" / "model.json").read_text())
+    decode = json.loads((repos["decode"] / "decode" / "1" / "model.json").read_text())
     assert prefill["max_num_seqs"] == 4 and decode["max_num_seqs"] == 16
     assert "count: 2" in (repos["encoder"] / "vision_encoder" / "config.pbtxt").read_text()
     assert "count: 1" in (repos["encoder"] / "encode" / "config.pbtxt").read_text()
@@ -162,7 +194,7 @@ def test_engines_serve_the_model_context_unless_the_topology_caps_it(tiny_model:
     from orchestrator.llm import engine_args
     from orchestrator.model.build import _PROFILES
 
-    topo = default_topology(tiny_model)
+    topo = default_topology(tiny_model, "E/P/D")
     assert engine_args(topo, "prefill", "prefill")["max_model_len"] == 2048
     topo.servers["prefill"].engine_args = {"max_model_len": 512}
     assert engine_args(topo, "prefill", "prefill")["max_model_len"] == 512

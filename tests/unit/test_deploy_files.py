@@ -28,6 +28,12 @@ STACKS = [*GPU_STACKS, "epd-cpu.yaml"]
 K8S_VERSION = "1.33.0"
 
 
+def runs_engine(stages: list[str]) -> bool:
+    """Whether a server runs a model on the accelerator: every stage but ``epd`` does (vLLM
+    or the vision encoder); ``epd`` only templates and routes (a CPU python model)."""
+    return bool(set(stages) - {"epd"})
+
+
 def compose_binary() -> Path:
     # The `compose` package's Python wrapper always exits 0; call the Go binary it ships.
     import compose
@@ -130,6 +136,9 @@ def test_stack_health_limits_and_start_order(stack):
         assert service["ulimits"]["memlock"] == -1
         # The python backend needs a real /dev/shm: either a sized private one or the host's.
         assert int(service.get("shm_size", 0)) >= 1 << 30 or service.get("ipc") == "host"
+        # KV moves between prefill and decode over CUDA IPC / shared memory on a GPU box.
+        if name in GPU_STACKS and {"prefill", "decode"} & set(server.stages):
+            assert service.get("ipc") == "host", svc_name
     front_name, front = topology.server_of("epd")
     others = set(services) - {front_name}
     depends = services[front_name]["depends_on"]
@@ -137,12 +146,16 @@ def test_stack_health_limits_and_start_order(stack):
     assert all(d["condition"] == "service_healthy" for d in depends.values())
     published = {int(p["published"]) for p in services[front_name]["ports"]}
     assert published == set(front.ports)
+    # Only the front is reachable from outside the compose network.
+    assert not any(services[other].get("ports") for other in others)
 
 
 def test_gpu_reservations(stack):
     name, config = stack
+    services = config["services"]
+    topology = Topology.load(mounted_topology(next(iter(services.values()))))
     ids: list[str] = []
-    for service in config["services"].values():
+    for svc_name, service in services.items():
         devices = service.get("deploy", {}).get("resources", {}).get("reservations", {})
         devices = devices.get("devices", [])
         if name not in GPU_STACKS:
@@ -150,6 +163,9 @@ def test_gpu_reservations(stack):
             assert service["image"] == "epd:cpu"
             continue
         assert service["image"] == "epd:gpu"
+        if not runs_engine(topology.servers[svc_name].stages):
+            assert not devices, f"{svc_name} runs no engine: it needs no GPU"
+            continue
         assert len(devices) == 1
         assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
         ids += devices[0]["device_ids"]
@@ -248,9 +264,17 @@ def test_deployments_services_and_topology_agree(tmp_path):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": READY, "port": "http"}
         resources = container["resources"]
-        assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["cpu"]
-        assert pod["nodeSelector"]
-        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        assert resources["requests"]["cpu"]
+        capabilities = container.get("securityContext", {}).get("capabilities", {})
+        if runs_engine(server.stages):
+            assert resources["limits"]["nvidia.com/gpu"] == 1
+            assert pod["nodeSelector"]
+            assert "IPC_LOCK" in capabilities["add"]
+        else:
+            # CPU-only: no GPU, no GPU pool, and it pins no buffers.
+            assert not any("gpu" in k for r in resources.values() for k in r)
+            assert "nodeSelector" not in pod
+            assert "IPC_LOCK" not in capabilities.get("add", [])
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
@@ -317,12 +341,14 @@ def test_network_policy_lets_only_the_front_in_and_only_stages_reach_transfers()
     deny = policies["epd-default-deny"]["spec"]
     assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}  # no rule: nothing in
     assert _admitted("front") == [(None, {"http", "grpc", "openai"}), (None, {"metrics"})]
-    # stage gRPC from the front only; transfers (any port): prefill <- decode (in front)
-    assert _admitted("prefill") == [({"front"}, None), (None, {"metrics"})]
+    # stage gRPC from the front only; transfers (any port) from the stage that reads them
+    assert _admitted("decode") == [({"front"}, {"grpc"}), (None, {"metrics"})]
+    # prefill: gRPC from the front, KV reads (any port) from decode
+    assert _admitted("prefill") == [({"front"}, {"grpc"}), ({"decode"}, None), (None, {"metrics"})]
     # encoders: gRPC from the front, NIXL reads (any port) from prefill
     assert _admitted("encoder") == [({"front"}, {"grpc"}), ({"prefill"}, None), (None, {"metrics"})]
     components = {
         d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         for d in by_kind("Deployment").values()
     }
-    assert components == {"front", "prefill", "encoder"}  # every pod has its policy
+    assert components == {"front", "prefill", "decode", "encoder"}  # every pod has its policy
