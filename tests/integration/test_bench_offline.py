@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench import load, offline
+from epd_bench import load, offline
 
 
 @pytest.mark.server

@@ -217,7 +217,7 @@ def test_full_cache_fails_with_overloaded_then_recovers(stack):
 def test_cache_benchmark_runs_end_to_end(stack):
     """``epd bench cache`` against this deployment: every repeat was served without an
     encoder pass (counted by Triton), and both phases have TTFTs."""
-    from orchestrator.bench import cache, quick
+    from epd_bench import cache, quick
 
     settings = quick.Settings(requests=2, concurrency=2, rounds=1, max_tokens=2, timeout_s=60)
     url = stack.topology.servers["front"].grpc_url

@@ -270,7 +270,7 @@ def test_load_generator_and_report_run_end_to_end(epd_stack, tmp_path):
     both models answered everything, the front's phase metrics were read, plots written."""
     import asyncio
 
-    from orchestrator.bench import load, report
+    from epd_bench import load, report
 
     front = epd_stack.server_of("epd")[1]
     plan = load.LoadPlan(

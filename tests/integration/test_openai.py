@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.bench import openai_peer
+from epd_bench import openai_peer
 from orchestrator.client import sample_photo
 from orchestrator.triton.deployment import Deployment
 from tests.conftest import EPD_LAYOUT, local_topology, scrape

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from orchestrator.bench import ab, load, report
-from orchestrator.bench.schema import BenchReport, LatencyStats, RunResult
+from epd_bench import ab, load, report
+from epd_bench.schema import BenchReport, LatencyStats, RunResult
 from orchestrator.config import Topology
 
 

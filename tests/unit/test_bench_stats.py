@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from orchestrator.bench.quick import (
+from epd_bench.quick import (
     MIX,
     BenchError,
     RequestResult,
@@ -219,8 +219,8 @@ def test_free_ports_keep_the_layout(tmp_path):
 
 
 def test_cache_bench_summary_counts_passes_saved_and_hit_ratio():
-    from orchestrator.bench.cache import CacheRound, ratio_line, round_requests
-    from orchestrator.bench.cache import summarize as summarize_cache
+    from epd_bench.cache import CacheRound, ratio_line, round_requests
+    from epd_bench.cache import summarize as summarize_cache
 
     def results(*ttfts):
         return [RequestResult("image", t, 2 * t, 3, "x") for t in ttfts]

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from orchestrator.bench.transfer import (
+from epd_bench.transfer import (
     MEMCPY,
     MIB,
     Row,
@@ -20,7 +20,7 @@ from orchestrator.bench.transfer import (
     size_label,
     summarize,
 )
-from orchestrator.bench.transfer_peer import embedding
+from epd_bench.transfer_peer import embedding
 
 KIB = 1 << 10
 SIXTEEN = 16 * MIB
@@ -77,7 +77,7 @@ def test_summary_without_memcpy_has_no_ratio_and_skips_empty_timings():
 def test_json_report_feeds_epd_bench_report():
     """Rows and raw timings are dataclasses (``write_report`` encodes them with ``asdict``);
     ``epd bench report`` reads the NIXL row at 16 MiB and the table back."""
-    from orchestrator.bench.report import targets
+    from epd_bench.report import targets
 
     rows = summarize(timings())
     report = {"rows": rows, "table": format_table(rows), "timings": timings()}

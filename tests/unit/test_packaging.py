@@ -30,7 +30,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # No build isolation: setuptools comes from this venv, so no network is needed.
     src = tmp_path_factory.mktemp("src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("orchestrator", "model_repository"):
+    for name in ("orchestrator", "epd_bench", "model_repository"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -54,7 +54,11 @@ def test_wheel_ships_every_adapter_file(wheel: Path) -> None:
 def test_wheel_ships_every_module(wheel: Path) -> None:
     """pyproject.toml lists the packages by hand: a new subpackage must be added there."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = [f"orchestrator/{f}" for f in _files(ROOT / "orchestrator")]
+    expected = [
+        f"{package}/{f}"
+        for package in ("orchestrator", "epd_bench")
+        for f in _files(ROOT / package)
+    ]
     assert [f for f in expected if f not in names] == []
 
 
@@ -79,3 +83,21 @@ def test_source_is_the_checkout_folder_here() -> None:
     assert SOURCE == ROOT / "model_repository"
     assert (SOURCE / "epd" / "config.pbtxt").is_file()
     assert _files(SOURCE) == _files(ROOT / "model_repository")
+
+
+def test_the_product_imports_no_benchmark_code() -> None:
+    """The benchmarks sit beside the product and register their commands through the
+    ``epd.commands`` entry point: nothing in ``orchestrator`` imports ``epd_bench``."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "orchestrator").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "epd_bench" or n.startswith("epd_bench.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []

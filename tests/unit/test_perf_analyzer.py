@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from orchestrator.bench import load
-from orchestrator.bench import perf_analyzer as pa
+from epd_bench import load
+from epd_bench import perf_analyzer as pa
 
 DATA = Path(__file__).parent / "data"
 RECORDED_CSV = DATA / "perf_analyzer_epd.csv"

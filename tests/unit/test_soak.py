@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.bench.soak import SoakReport, format_report, tree_rss_mib
+from epd_bench.soak import SoakReport, format_report, tree_rss_mib
 
 
 def test_tree_rss_counts_this_process():

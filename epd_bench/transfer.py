@@ -2,7 +2,7 @@
 transport, against the same-host physical limit.
 
 For each transport a producer and a consumer run as two processes
-(``orchestrator.bench.transfer_peer``). Per size, after warm-up, the producer ``put``s an
+(``epd_bench.transfer_peer``). Per size, after warm-up, the producer ``put``s an
 embedding and the consumer times ``fetch`` of its handle; the producer's cache is off and
 each put has a new content hash, so every fetch is a real transfer, and each put first
 waits for the last fetch to free its slot, so the pool never fills. The baseline is
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.bench.schema import machine_info
+from epd_bench.schema import machine_info
 
 KINDS = ("nixl", "mooncake", "inline")
 MEMCPY = "memcpy"
@@ -179,7 +179,7 @@ class Peer:
         self.timeout_s = timeout_s
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.bench.transfer_peer", role, kind, json.dumps(cfg)],
+            [sys.executable, "-m", "epd_bench.transfer_peer", role, kind, json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -320,7 +320,7 @@ def run(
     the verbs libraries but no RDMA NIC. A transport that cannot load or fails is left out
     with a note; the others still run.
     """
-    from orchestrator.bench.quick import package_version
+    from epd_bench.schema import package_version
 
     peer_env = {"UCX_MODULES": "^ib", **os.environ, **env}
     timings: dict[str, dict[int, Timings]] = {}
@@ -416,7 +416,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """Measure, print the table and the ratio line, write the JSON report; 1 when no
     transport could be measured."""
-    from orchestrator.bench.quick import write_report
+    from epd_bench.quick import write_report
 
     report = run(
         args.kinds,

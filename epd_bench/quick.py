@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import io
 import json
 import math
 import os
@@ -20,16 +18,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
-from orchestrator.bench.schema import machine_info
-from orchestrator.client import sample_photo
+from epd_bench.photos import photo_variant
+from epd_bench.schema import machine_info, package_version
 from orchestrator.config import Topology
 from orchestrator.triton.deployment import on_free_ports
 
@@ -125,25 +121,6 @@ class Summary:
 
 
 # --- workload ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _photo_pixels(name: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(sample_photo(name))).convert("RGB"))
-
-
-def photo_variant(name: str, serial: int) -> bytes:
-    """The photo rolled sideways by ``serial`` pixels: same size (same work) but new content,
-    so neither vLLM's prefix/multimodal caches nor ``epd``'s image hashes see a repeat."""
-    from PIL import Image
-
-    pixels = _photo_pixels(name)
-    rolled = np.roll(pixels, serial % pixels.shape[1], axis=1)
-    buf = io.BytesIO()
-    Image.fromarray(rolled).save(buf, format="JPEG")
-    return buf.getvalue()
 
 
 def workload(count: int, first_serial: int) -> list[BenchRequest]:
@@ -282,7 +259,7 @@ async def _send(
     timeout_s: float,
 ) -> RequestResult:
     """One request on its own gRPC stream (``load.stream_request``), as this report counts it."""
-    from orchestrator.bench.load import LoadRequest, stream_request
+    from epd_bench.load import LoadRequest, stream_request
 
     load_request = LoadRequest(request.kind, request.text, request.images)
     sample = await stream_request(client, model, load_request, sampling, timeout_s)
@@ -334,11 +311,6 @@ async def _bench(url: str, settings: Settings) -> list[Round]:
                     flush=True,
                 )
     return rounds
-
-
-def package_version(module: str) -> str | None:
-    dists = metadata.packages_distributions().get(module)
-    return metadata.version(dists[0]) if dists else None
 
 
 def build_report(rounds: Sequence[Round], context: dict[str, Any]) -> dict[str, Any]:

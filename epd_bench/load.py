@@ -4,7 +4,7 @@ Workloads are lists of requests of labelled kinds (``text``, ``image``, ``multi`
 ``large``); a run sends one workload to one model either closed-loop (a fixed number of
 requests in flight) or open-loop (Poisson arrivals at a fixed rate, whatever the server
 does), records TTFT, the gaps between text responses (ITL) and end-to-end latency per
-request, and reduces them to a :class:`~orchestrator.bench.schema.RunResult`.
+request, and reduces them to a :class:`~epd_bench.schema.RunResult`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 from tritonclient.grpc.aio import InferenceServerClient
 
-from orchestrator.bench.schema import BenchReport, LatencyStats, RunResult, machine_info
+from epd_bench.schema import BenchReport, LatencyStats, RunResult, machine_info
 from orchestrator.client import request_inputs
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
@@ -60,7 +60,7 @@ def _large_photo(name: str, serial: int) -> bytes:
     """A photo upscaled to 1536 px (a big upload; the encoder still resizes it down)."""
     from PIL import Image
 
-    from orchestrator.bench.quick import photo_variant
+    from epd_bench.photos import photo_variant
 
     image = Image.open(io.BytesIO(photo_variant(name, serial))).resize((1536, 1536))
     buf = io.BytesIO()
@@ -69,7 +69,7 @@ def _large_photo(name: str, serial: int) -> bytes:
 
 
 def _request(kind: str, serial: int, repeat_pool: int | None = None) -> LoadRequest:
-    from orchestrator.bench.quick import photo_variant
+    from epd_bench.photos import photo_variant
 
     def photo(k: int) -> bytes:
         key = serial + k if repeat_pool is None else (serial + k) % repeat_pool
@@ -367,7 +367,7 @@ def summary_line(r: RunResult) -> str:
 
 
 def report(command: str, runs: list[RunResult], notes: Sequence[str] = ()) -> BenchReport:
-    from orchestrator.bench.quick import package_version
+    from epd_bench.schema import package_version
 
     return BenchReport(
         command=command,

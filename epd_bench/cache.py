@@ -17,18 +17,17 @@ from typing import Any
 
 from tritonclient.grpc.aio import InferenceServerClient
 
-from orchestrator.bench.quick import (
+from epd_bench.photos import photo_variant
+from epd_bench.quick import (
     PERCENTILES,
     BenchError,
     BenchRequest,
     RequestResult,
     Settings,
-    package_version,
     percentile,
-    photo_variant,
     run_round,
 )
-from orchestrator.bench.schema import machine_info
+from epd_bench.schema import machine_info, package_version
 from orchestrator.config import Topology
 from orchestrator.metrics import encoder_passes
 

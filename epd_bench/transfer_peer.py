@@ -1,7 +1,7 @@
 """One side of ``epd bench transfer``, in a process of its own: NIXL and Mooncake are not
 fork-safe, and a separate consumer process is what prefill is.
 
-Usage: ``python -m orchestrator.bench.transfer_peer producer|consumer KIND CONFIG_JSON``
+Usage: ``python -m epd_bench.transfer_peer producer|consumer KIND CONFIG_JSON``
 (CONFIG_JSON: :class:`~orchestrator.transfer.ProducerConfig` or ``ConsumerConfig`` fields).
 Answers ``{"ready": true}`` once the transport is up, then one JSON command per stdin line
 with one line ``@@ <json>`` on stdout (other stdout lines are library noise). Any failure

@@ -110,7 +110,7 @@ def run(
     timeout_s: float = 600,
     progress=print,
 ) -> SoakReport:
-    from orchestrator.bench.quick import photo_variant
+    from epd_bench.photos import photo_variant
     from orchestrator.triton.deployment import Deployment, on_free_ports
 
     topology = on_free_ports(topology)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.schema import BenchReport, RunResult
+from epd_bench.schema import BenchReport, RunResult
 
 EPD_TARGETS = ("epd", "e-p-d/nixl")
 """Names the E/P/D-over-NIXL deployment goes by (``bench run`` vs ``bench ab``)."""

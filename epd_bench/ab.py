@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.bench.load import LoadPlan, execute
-from orchestrator.bench.schema import RunResult
+from epd_bench.load import LoadPlan, execute
+from epd_bench.schema import RunResult
 from orchestrator.config import Topology, default_topology
 
 
@@ -69,7 +69,7 @@ def run(
     results: list[RunResult] = []
     for name in variants:
         if name == OFFLINE:
-            from orchestrator.bench import offline
+            from epd_bench import offline
 
             print(f"== {name}: vLLM in-process", flush=True)
             runs = offline.run(plan, model, timeout_s + 3600)
@@ -87,7 +87,7 @@ def _run_deployment(
     cpu_lists: list[str] | None,
     encoder_threads: int | None,
 ) -> list[RunResult]:
-    from orchestrator.bench.quick import embedded
+    from epd_bench.quick import embedded
 
     build, models = VARIANTS[name]
     topology = build(model)

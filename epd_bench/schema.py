@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Literal
 
 import numpy as np
@@ -93,3 +94,8 @@ def machine_info(loadavg_before: tuple[float, float, float] | None = None) -> di
     if loadavg_before is not None:
         info["loadavg_before"] = loadavg_before
     return info
+
+
+def package_version(module: str) -> str | None:
+    dists = metadata.packages_distributions().get(module)
+    return metadata.version(dists[0]) if dists else None

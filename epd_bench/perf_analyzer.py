@@ -4,7 +4,7 @@ A second opinion on ``epd bench run``: perf_analyzer (C++) generates the closed-
 measures, so a client-side artefact of our asyncio load generator cannot hide in the numbers.
 Its CSV gives throughput and end-to-end latency percentiles; its profile export (every
 request's send and response times) gives TTFT and inter-token gaps over the same windows.
-Results use the common :class:`~orchestrator.bench.schema.RunResult` schema.
+Results use the common :class:`~epd_bench.schema.RunResult` schema.
 
 perf_analyzer comes from the ``tritonclient==2.51.0`` wheel (newer ones need glibc 2.38), in
 a venv of its own, and needs ``libb64.so.0d`` and ``libcudart.so.12`` (see docs/platform.md).
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily: the CLI builds its parser without numpy or tritonclient
-    from orchestrator.bench.load import LoadRequest
-    from orchestrator.bench.schema import RunResult
+    from epd_bench.load import LoadRequest
+    from epd_bench.schema import RunResult
 
 TRITONCLIENT = "tritonclient==2.51.0"
 DEFAULT_VENV = Path(".cache/perf-analyzer-venv")
@@ -215,7 +215,7 @@ def parse_csv(
     those come from ``profiles`` (``parse_profile_export``), over the same requests. TTFT,
     ITL and tokens/s only mean something when the model streams tokens (``streaming``).
     """
-    from orchestrator.bench.schema import LatencyStats, RunResult
+    from epd_bench.schema import LatencyStats, RunResult
 
     rows = list(csv.DictReader(io.StringIO(text)))
     if not rows:
@@ -300,7 +300,7 @@ def command(
 
 def _failed(model: str, workload: str, level: int, error: str) -> RunResult:
     """A level perf_analyzer could not measure: kept in the report with the reason."""
-    from orchestrator.bench.schema import LatencyStats, RunResult
+    from epd_bench.schema import LatencyStats, RunResult
 
     return RunResult(
         tool="perf_analyzer",
@@ -420,7 +420,7 @@ def run_cli(
     """
     import contextlib
 
-    from orchestrator.bench import load, quick
+    from epd_bench import load, quick
 
     try:
         levels = concurrency_range(concurrency)

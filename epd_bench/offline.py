@@ -1,6 +1,6 @@
 """Offline vLLM on the same requests: the yardstick for ``epd``'s own overhead.
 
-Runs in its own process (``python -m orchestrator.bench.offline PLAN_JSON MODEL_DIR``):
+Runs in its own process (``python -m epd_bench.offline PLAN_JSON MODEL_DIR``):
 one ``AsyncLLM`` built with exactly the aggregated model's engine args, fed the plan's
 requests in-process (same prompts, same decoded images, same sampling) with the same
 closed/open-loop driver, and prints one ``RunResult`` JSON per load point, target
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.bench.load import LoadPlan, LoadRequest, Sample, measure, plan_requests, reduce
-from orchestrator.bench.schema import RunResult
+from epd_bench.load import LoadPlan, LoadRequest, Sample, measure, plan_requests, reduce
+from epd_bench.schema import RunResult
 
 TARGET = "offline-vllm"
 
@@ -57,7 +57,7 @@ async def _run(plan: LoadPlan, model: Path) -> list[RunResult]:
 
     results = []
     try:
-        from orchestrator.bench.load import WORKLOADS
+        from epd_bench.load import WORKLOADS
 
         for request in WORKLOADS["mixed"](plan.warmup, 10**6):
             await send(request)
@@ -78,7 +78,7 @@ def run(plan: LoadPlan, model: Path, timeout_s: float) -> list[RunResult]:
         [
             sys.executable,
             "-m",
-            "orchestrator.bench.offline",
+            "epd_bench.offline",
             json.dumps(dataclasses.asdict(plan)),
             str(model),
         ],

@@ -160,7 +160,7 @@ def _time(forward, family, side: int, repeats: int) -> dict[str, Any]:
 def _child(step: str, *args: str, timeout_s: float = 3600) -> dict[str, Any]:
     """Run one step in a fresh interpreter; its result plus its own peak RSS."""
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.bench.encoder", step, *args],
+        [sys.executable, "-m", "epd_bench.encoder", step, *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -174,7 +174,7 @@ def _child(step: str, *args: str, timeout_s: float = 3600) -> dict[str, Any]:
 
 
 def run(workdir: Path, sides: list[int], threads: int, repeats: int) -> dict[str, Any]:
-    from orchestrator.bench.schema import machine_info
+    from epd_bench.schema import machine_info
 
     model, onnx = workdir / "checkpoint", workdir / "onnx"
     report: dict[str, Any] = {"machine": machine_info(), "threads": threads, "sides": sides}

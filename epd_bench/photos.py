@@ -1,0 +1,30 @@
+"""The benchmarks' images: real photos made distinct per request, so no cache answers
+for anyone unless a workload means to measure a cache."""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import numpy as np
+
+from orchestrator.client import sample_photo
+
+
+@functools.cache
+def _photo_pixels(name: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(sample_photo(name))).convert("RGB"))
+
+
+def photo_variant(name: str, serial: int) -> bytes:
+    """The photo rolled sideways by ``serial`` pixels: same size (same work) but new content,
+    so neither vLLM's prefix/multimodal caches nor ``epd``'s image hashes see a repeat."""
+    from PIL import Image
+
+    pixels = _photo_pixels(name)
+    rolled = np.roll(pixels, serial % pixels.shape[1], axis=1)
+    buf = io.BytesIO()
+    Image.fromarray(rolled).save(buf, format="JPEG")
+    return buf.getvalue()

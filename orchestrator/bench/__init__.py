@@ -1,1 +1,0 @@
-"""Benchmarks of the serving stack: they measure and report, they never assert."""
