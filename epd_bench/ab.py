@@ -60,8 +60,10 @@ def run(
     timeout_s: float,
     cpu_lists: list[str] | None = None,
     encoder_threads: int | None = None,
+    traces: bool = False,
 ) -> list[RunResult]:
-    """Start each variant's deployment in turn, run ``plan`` against it, stop it.
+    """Start each variant's deployment in turn, run ``plan`` against it, stop it (with
+    ``traces``, each ``epd`` run also reports the time of every hop).
 
     ``encoder_threads`` sets ONNX Runtime's threads in the encoder: vLLM's own (aggregated)
     vision tower uses every core through torch, so a fair A/B gives the encoder as many.
@@ -74,7 +76,7 @@ def run(
             print(f"== {name}: vLLM in-process", flush=True)
             runs = offline.run(plan, model, timeout_s + 3600)
         else:
-            runs = _run_deployment(name, model, plan, timeout_s, cpu_lists, encoder_threads)
+            runs = _run_deployment(name, model, plan, timeout_s, cpu_lists, encoder_threads, traces)
         results += [run.model_copy(update={"model": model.name}) for run in runs]
     return results
 
@@ -86,6 +88,7 @@ def _run_deployment(
     timeout_s: float,
     cpu_lists: list[str] | None,
     encoder_threads: int | None,
+    traces: bool,
 ) -> list[RunResult]:
     from epd_bench.quick import embedded
 
@@ -97,7 +100,7 @@ def _run_deployment(
     if cpu_lists:
         topology = pin_cpus(topology, cpu_lists)
     print(f"== {name}: starting {len(topology.servers)} servers", flush=True)
-    with embedded(topology, timeout_s) as running:
+    with embedded(topology, timeout_s, traces) as running:
         _, front = running.server_of("epd")
         variant_plan = dataclasses.replace(plan, models=models)
 
@@ -105,5 +108,11 @@ def _run_deployment(
             return "aggregated" if m == "aggregated" else name
 
         return asyncio.run(
-            execute(front.grpc_url, variant_plan, label, (front.host, front.metrics_port))
+            execute(
+                front.grpc_url,
+                variant_plan,
+                label,
+                (front.host, front.metrics_port),
+                running.tracing.directory,
+            )
         )

@@ -93,10 +93,16 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
         url, metrics = args.url, None
         if url is None:
             print("starting the embedded deployment on free ports ...", flush=True)
-            running = stack.enter_context(quick.embedded(topology_of(args), args.timeout))
+            embedded = quick.embedded(topology_of(args), args.timeout, args.traces)
+            running = stack.enter_context(embedded)
             front = running.server_of("epd")[1]
             url, metrics = front.grpc_url, (front.host, front.metrics_port)
-        results = asyncio.run(load.execute(url, plan, front_metrics=metrics))
+            traces = running.tracing.directory
+        elif args.traces:
+            raise SystemExit("epd: --traces needs the embedded deployment (no --url)")
+        else:
+            traces = None
+        results = asyncio.run(load.execute(url, plan, front_metrics=metrics, traces=traces))
     _write_bench(results, args, [])
     return 0
 
@@ -117,7 +123,7 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
         build_model(model, profile=args.profile)
     cpus = args.pin_cpus.split(":") if args.pin_cpus else None
     threads = args.encoder_threads
-    results = ab.run(model.resolve(), args.variant, plan, args.timeout, cpus, threads)
+    results = ab.run(model.resolve(), args.variant, plan, args.timeout, cpus, threads, args.traces)
     notes = [f"cpu pinning per server (round-robin): {cpus}"] if cpus else []
     notes += [f"encoder ONNX Runtime threads: {threads}"] if threads else []
     _write_bench(results, args, notes)
@@ -125,6 +131,11 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
 
 
 def _add_load_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    parser.add_argument(
+        "--traces",
+        action="store_true",
+        help="trace every request (OpenTelemetry) and print the time of each hop",
+    )
     parser.add_argument("--workload", action="append", help="image|text|mixed|repeated|multi|large")
     parser.add_argument("--concurrency", default="1,4", help="closed-loop levels, e.g. 1,2,4,8")
     parser.add_argument("--rate", help="open-loop levels in requests/s, e.g. 1,2")

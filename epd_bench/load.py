@@ -18,11 +18,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 from tritonclient.grpc.aio import InferenceServerClient
 
 from epd_bench.schema import BenchReport, LatencyStats, RunResult, machine_info
 from orchestrator.client import request_inputs
+from orchestrator.tracing import read_spans
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 PROMPTS = {
@@ -322,12 +324,14 @@ async def execute(
     plan: LoadPlan,
     label: Callable[[str], str] = str,
     front_metrics: tuple[str, int] | None = None,
+    traces: Path | None = None,
 ) -> list[RunResult]:
     """Every workload x model x level of ``plan`` against the front at ``url``.
 
     Models alternate within each load point so drift on a noisy box hits them alike.
     ``label`` names the target in results (A/B runs prefix the deployment). With the
-    front's metrics address, ``epd`` runs also get their mean time per request phase.
+    front's metrics address, ``epd`` runs also get their mean time per request phase; with
+    the deployment's trace folder, the duration of each hop (``hop_stats``).
     """
     sampling = {"max_tokens": plan.max_tokens, "temperature": 0}
     results: list[RunResult] = []
@@ -340,6 +344,7 @@ async def execute(
                 send = grpc_sender(client, model, sampling, plan.timeout_s)
                 phases = front_metrics if model == "epd" else None
                 before = phase_totals(phases) if phases else None
+                started_ns = time.time_ns()
                 samples, wall = await measure(
                     send, requests, load, level, f"{workload} {model} {load}={level:g}"
                 )
@@ -349,9 +354,38 @@ async def execute(
                 if phases:
                     await asyncio.sleep(1.1)  # the front publishes every 0.5 s
                     result.phase_means_s = phase_means(before, phase_totals(phases))
+                if traces is not None and model == "epd":
+                    await asyncio.sleep(0.5)  # the front's span ends after its last answer
+                    result.hops_s = hop_stats(read_spans(traces), started_ns, time.time_ns())
+                    print(format_hops(result.hops_s), flush=True)
                 results.append(result)
                 print(summary_line(result), flush=True)
     return results
+
+
+def hop_stats(spans: list[dict], start_ns: int, end_ns: int) -> dict[str, LatencyStats]:
+    """Durations per span name over the ``epd`` requests that began in [start, end]: every
+    span of their traces, in whichever server it ran."""
+    measured = {
+        s["trace_id"]
+        for s in spans
+        if s["name"] == "epd" and s["parent_id"] is None and start_ns <= s["start_ns"] <= end_ns
+    }
+    by_name: dict[str, list[float]] = {}
+    for s in spans:
+        if s["trace_id"] in measured:
+            by_name.setdefault(s["name"], []).append((s["end_ns"] - s["start_ns"]) / 1e9)
+    return {name: LatencyStats.of(values) for name, values in sorted(by_name.items())}
+
+
+def format_hops(hops: dict[str, LatencyStats]) -> str:
+    """The per-hop table: p50 / p90 / count, in the order a request crosses them."""
+    order = {name: hops[name].p50 or 0.0 for name in hops}
+    lines = [f"  {'hop':<16} {'p50 ms':>8} {'p90 ms':>8} {'count':>6}"]
+    for name in sorted(hops, key=lambda n: -order[n]):
+        h = hops[name]
+        lines.append(f"  {name:<16} {h.p50 * 1e3:>8.1f} {h.p90 * 1e3:>8.1f} {h.count:>6}")
+    return "\n".join(lines)
 
 
 def summary_line(r: RunResult) -> str:

@@ -373,8 +373,9 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def embedded(topology: Topology, timeout_s: float) -> Iterator[Topology]:
-    """Run ``topology`` on free ports in a throwaway workdir; yield it as it runs.
+def embedded(topology: Topology, timeout_s: float, traces: bool = False) -> Iterator[Topology]:
+    """Run ``topology`` on free ports in a throwaway workdir; yield it as it runs. With
+    ``traces``, every server writes its spans to ``tracing.directory`` in that workdir.
 
     The deployment is always stopped, whatever happens inside.
     """
@@ -382,5 +383,8 @@ def embedded(topology: Topology, timeout_s: float) -> Iterator[Topology]:
 
     topology = on_free_ports(topology)
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as workdir:
+        if traces:
+            tracing = topology.tracing.model_copy(update={"directory": Path(workdir) / "traces"})
+            topology = topology.model_copy(update={"tracing": tracing})
         with Deployment(topology, Path(workdir)).running(timeout_s):
             yield topology

@@ -69,6 +69,10 @@ class RunResult(_Model):
     phase_means_s: dict[str, float] = Field(default_factory=dict)
     """Mean seconds per ``epd`` request phase during the run, from the front's
     ``epd_request_phase_seconds`` metrics (empty for other targets)."""
+    hops_s: dict[str, LatencyStats] = Field(default_factory=dict)
+    """Duration of each hop of the measured ``epd`` requests, by span name, from the
+    deployment's traces (``--traces``): ``call X`` is a stage call as the front saw it,
+    ``X`` the same call inside the stage, the rest the work inside one."""
 
 
 class BenchReport(_Model):

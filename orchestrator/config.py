@@ -220,6 +220,25 @@ class RoutingSpec(_Spec):
     apart from their cache, so a failed encode is retried on another one)."""
 
 
+class TracingSpec(_Spec):
+    """OpenTelemetry traces: one trace per request, a span per hop in every server it
+    crosses (the trace context rides each stage call). Off unless an exporter is set."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector every server exports to, e.g. ``http://collector:4317``
+    (``http://``: plaintext, ``https://``: TLS)."""
+    directory: Path | None = None
+    """Folder where every process appends its finished spans as JSON lines (one file per
+    process): for tests and ``epd bench``, which reads them back per hop."""
+    service_name: str = "epd"
+    """``service.name`` of the spans; each process adds its server and model
+    (``service.instance.id``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None or self.directory is not None
+
+
 class OpenAISpec(_Spec):
     """The OpenAI-compatible front (``/v1/chat/completions``) of servers with an
     ``openai_port``: a client of their public Triton models."""
@@ -251,6 +270,7 @@ class Topology(_Spec):
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     limits: Limits = Field(default_factory=Limits)
     openai: OpenAISpec = Field(default_factory=OpenAISpec)
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
 
     @property
     def served_model_name(self) -> str:

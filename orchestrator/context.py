@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator.protocol import Cancelled, DeadlineExceeded
 
@@ -30,6 +31,9 @@ class RequestContext:
     timed_out: bool = False
     """Set before the handler's task is cancelled because the deadline passed."""
     started: float = field(default_factory=time.monotonic)
+    trace: Any = None
+    """OpenTelemetry context of this request's span in this process: the parent of the
+    spans and stage calls made for it (``None``: not traced here)."""
     client_gone: Callable[[], bool] = lambda: False
     """Asks the server now whether the caller cancelled (cheap, but an IPC round trip: for
     a handler about to answer with something it must take back if nobody listens)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
 from orchestrator.cache import LocalEmbeddingCache
 from orchestrator.context import RequestContext
@@ -64,6 +65,23 @@ def _remember(memory: OrderedDict, key: str, value: Any, limit: int) -> None:
     memory.move_to_end(key)
     while len(memory) > limit:
         memory.popitem(last=False)
+
+
+async def _timing_first_token(
+    responses: AsyncIterator[Tensors], ctx: RequestContext
+) -> AsyncIterator[Tensors]:
+    """``responses`` as they come, with a ``first_token`` span from now to the first one
+    (for decode: its KV pull and first step; for pd: the prefill and first step)."""
+    span = tracing.start("first_token", ctx.trace)
+    try:
+        async for response in responses:
+            if span is not None:
+                span.end()
+                span = None
+            yield response
+    finally:
+        if span is not None:
+            span.end()
 
 
 class EncodeHandler:
@@ -125,7 +143,8 @@ class EncodeHandler:
     async def _encode(self, image: Any, digest: str, ctx: RequestContext) -> EmbeddingHandle:
         """Run the encoder on an image nobody holds; one pass per content hash at a time."""
         loop = asyncio.get_running_loop()
-        encoder_input = await loop.run_in_executor(None, self.family.encoder_input, image)
+        with tracing.span("preprocess", ctx.trace):
+            encoder_input = await loop.run_in_executor(None, self.family.encoder_input, image)
         start = time.perf_counter()
         feeds = encoder_input.feeds
         out = await self.bls.infer("vision_encoder", feeds, ["image_embeds"], ctx)
@@ -243,7 +262,9 @@ class EmbeddingPuller:
             lambda: self.local.hits,
         )
 
-    async def prompt(self, text: str, handles: list[EmbeddingHandle]) -> dict[str, Any]:
+    async def prompt(
+        self, text: str, handles: list[EmbeddingHandle], ctx: RequestContext
+    ) -> dict[str, Any]:
         """vLLM's prompt for ``text`` with the handles' images, their embeddings pulled."""
         for handle in handles:
             self.check_handle(handle)
@@ -251,7 +272,9 @@ class EmbeddingPuller:
             _remember(self.used, handle.handle_id, None, USED_HANDLES_REMEMBERED)
         prompt: dict[str, Any] = {"prompt": text}
         if handles:
-            embeds = await self._pull(handles)
+            nbytes = sum(h.nbytes for h in handles)
+            with tracing.span("embedding_pull", ctx.trace, images=len(handles), bytes=nbytes):
+                embeds = await self._pull(handles)
             layouts = [h.layout for h in handles]
             prompt["multi_modal_data"] = {"image": self.family.prefill_images(embeds, layouts)}
             # vLLM's identity of each image: its content, not the tensor it is given.
@@ -339,7 +362,7 @@ class PrefillHandler:
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
-        prompt = await self.puller.prompt(request.prompt, request.handles)
+        prompt = await self.puller.prompt(request.prompt, request.handles, ctx)
         from vllm import SamplingParams
 
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
@@ -397,10 +420,11 @@ class PrefillDecodeHandler:
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request = from_tensor(inputs, "request", PrefillDecodeRequest)
-        prompt = await self.puller.prompt(request.prompt, request.handles)
+        prompt = await self.puller.prompt(request.prompt, request.handles, ctx)
         sampling = to_vllm_sampling(request.sampling)
         outputs = self.engine.generate(prompt, sampling, request.request_id)
-        async for response in completion_responses(deltas_of(outputs), True, ExtraOutputs.every()):
+        responses = completion_responses(deltas_of(outputs), True, ExtraOutputs.every())
+        async for response in _timing_first_token(responses, ctx):
             yield response
 
     async def check_health(self) -> None:
@@ -465,7 +489,8 @@ class DecodeHandler:
         try:
             outputs = self.engine.generate(prompt, sampling, request.request_id)
             deltas = deltas_of(outputs)
-            async for response in completion_responses(deltas, True, ExtraOutputs.every()):
+            responses = completion_responses(deltas, True, ExtraOutputs.every())
+            async for response in _timing_first_token(responses, ctx):
                 yield response
         finally:
             self.admitted.discard(request.request_id)

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
 from orchestrator.config import StageName
 from orchestrator.context import RequestContext
@@ -148,12 +149,16 @@ class EPDPipeline:
         self.seconds["encode"].observe(time.perf_counter() - start)
         flow = self._prefill_and_decode if self.one_engine else self._prefill_then_decode
         deltas = flow(prompt, request, handles, holders, ctx)
-        first = True
-        async for response in completion_responses(deltas, request.stream, request.outputs):
-            if first:
-                self.seconds["first_token"].observe(time.perf_counter() - start)
-                first = False
-            yield response
+        stream = None  # the answer's span, from its first token to its end
+        try:
+            async for response in completion_responses(deltas, request.stream, request.outputs):
+                if stream is None:
+                    self.seconds["first_token"].observe(time.perf_counter() - start)
+                    stream = tracing.start("stream", ctx.trace)
+                yield response
+        finally:
+            if stream is not None:
+                stream.end()
         self.seconds["request"].observe(time.perf_counter() - start)
 
     async def _start(

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator import tracing
 from orchestrator.auth import GRPC_EDGE_HEADER, MAC_PARAMETER, DeploymentKey
 from orchestrator.context import RequestContext
 from orchestrator.protocol import (
@@ -100,7 +101,8 @@ class BlsInfer:
             requested_output_names=outputs,
             timeout=max(1, int(ctx.remaining() * 1_000_000)),
         )
-        response = await asyncio.get_running_loop().run_in_executor(None, request.exec)
+        with tracing.span(model, ctx.trace):
+            response = await asyncio.get_running_loop().run_in_executor(None, request.exec)
         if response.has_error():
             raise error_from_message(f"{model}: {response.error().message()}")
         return {t.name(): t.as_numpy() for t in response.output_tensors()}
@@ -153,13 +155,23 @@ class GrpcStageClient(StageClient):
             tensor.set_data_from_numpy(value)
             infer_inputs.append(tensor)
         mac = self._key.sign_call(model, ctx.request_id, inputs)
+        span = tracing.start(
+            f"call {model}",
+            ctx.trace,
+            tracing.trace.SpanKind.CLIENT,
+            **{"server.address": self._url},
+        )
         request = {
             "model_name": model,
             "inputs": infer_inputs,
             "outputs": [mod.InferRequestedOutput(n) for n in outputs],
             "request_id": ctx.request_id,
             "timeout": max(1, int(ctx.remaining() * 1_000_000)),
-            "parameters": {MAC_PARAMETER: mac, **(parameters or {})},
+            "parameters": {
+                MAC_PARAMETER: mac,
+                **tracing.carrier(tracing.within(span)),
+                **(parameters or {}),
+            },
         }
 
         async def requests():
@@ -190,11 +202,14 @@ class GrpcStageClient(StageClient):
                 if response.parameters["triton_final_response"].bool_param:
                     finished = True
                     return
-        except StageError:
+        except StageError as exc:
+            tracing.failed(span, exc)
             raise
         except Exception as exc:  # grpc errors: unreachable, reset
+            tracing.failed(span, exc)
             raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
         finally:
+            span.end()
             if not finished:  # we stop early (cancelled, timed out): so must the callee
                 stream.cancel()
 

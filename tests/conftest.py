@@ -148,7 +148,9 @@ def epd_stack(
     """The E/P/D and the E+PD deployment in turn, each started once per module and always
     stopped: every test that uses it holds for both layouts."""
     layout = EPD_LAYOUT if request.param == "E/P/D" else E_PD_LAYOUT
-    yield from running_stack(local_topology(tiny_model, layout), tmp_path_factory.mktemp("epd"))
+    workdir = tmp_path_factory.mktemp("epd")
+    topology = local_topology(tiny_model, layout, tracing={"directory": workdir / "traces"})
+    yield from running_stack(topology, workdir)
 
 
 def assert_epd_matches_aggregated(topology: Topology, text: str, images: list[bytes]) -> None:

@@ -30,6 +30,7 @@ from vllm.entrypoints.serve.engine.protocol import (
 )
 from vllm.exceptions import VLLMError
 
+from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
 from orchestrator.config import Topology, describe
 from orchestrator.context import RequestContext
@@ -133,10 +134,12 @@ class ChatService:
 def create_app(topology: Topology, server: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tracing.setup(topology.tracing, f"{server}/openai")
         # Built on the server's loop: gRPC's asyncio channel belongs to the loop it is made on.
         app.state.service = ChatService(topology, server)
         yield
         await app.state.service.close()
+        tracing.shutdown()
 
     app = FastAPI(title="epd OpenAI-compatible API", lifespan=lifespan)
 
@@ -232,9 +235,20 @@ async def _chat(service: ChatService, raw: Request) -> Response:
         ctx = RequestContext.create(
             limits.request_timeout_s, limits.stream_idle_timeout_s, answer.id
         )
+        # The request's span, under the client's trace when it sent a traceparent header.
+        span = tracing.start(
+            "chat.completions",
+            tracing.remote_context(raw.headers),
+            tracing.trace.SpanKind.SERVER,
+            **{"epd.request_id": answer.id, "epd.model": model},
+        )
+        ctx.trace = tracing.within(span)
         deltas = service.deltas(model, inputs, ctx)
         if not request.stream:
-            return await _until_disconnect(raw, _whole(answer, deltas, service, start))
+            try:
+                return await _until_disconnect(raw, _whole(answer, deltas, service, start))
+            finally:
+                span.end()
         # The first step decides the status: errors before it are plain HTTP errors.
         try:
             first = await _until_disconnect(raw, anext(deltas))
@@ -242,9 +256,12 @@ async def _chat(service: ChatService, raw: Request) -> Response:
             first = Delta("", 0, "stop")
         except StageError as exc:
             await deltas.aclose()
+            tracing.failed(span, exc)
+            span.end()
             return stage_error_response(exc)
         if isinstance(first, Response):  # the client left already
             await deltas.aclose()
+            span.end()
             return first
         service.ttft.observe(time.perf_counter() - start)
         usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -254,6 +271,7 @@ async def _chat(service: ChatService, raw: Request) -> Response:
         async def finish() -> None:
             await deltas.aclose()  # cancels the gRPC call if the stream stopped early
             stream_slot.release()
+            span.end()
 
         return _EventStream(_events(answer, first, deltas, usage, stream_slot), finish)
     finally:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from orchestrator import tracing
 from orchestrator.auth import MAC_PARAMETER, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
@@ -105,6 +106,7 @@ class DecoupledModelRunner:
         self._live: dict[asyncio.Task, tuple[RequestContext, Any]] = {}
         self._watcher: asyncio.Task | None = None
         ctx = model_context(args, pb_utils)
+        tracing.setup(ctx.topology.tracing, f"{ctx.server}/{ctx.model_name}")
         self.model = ctx.model_name
         self.public = public
         self._limits = ctx.topology.limits
@@ -160,18 +162,26 @@ class DecoupledModelRunner:
         pb, sender = self._pb, call.sender
         ctx = self._context(call)
         ctx.client_gone = sender.is_cancelled
+        parameters = _parameters(call.parameters)
+        probe = PROBE_PARAMETER in parameters and not self.public
+        span = tracing.start(
+            self.model,
+            None if probe else tracing.remote_context(parameters),
+            tracing.trace.SpanKind.SERVER,
+            **{"epd.request_id": ctx.request_id},
+        )
+        ctx.trace = tracing.within(span)
         task = asyncio.current_task()
         assert task is not None
         self._live[task] = (ctx, sender)
         if self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
         try:
-            parameters = _parameters(call.parameters)
             if self._key is not None:
                 self._key.verify_call(
                     self.model, call.request_id, call.inputs, parameters.get(MAC_PARAMETER)
                 )
-            if PROBE_PARAMETER in parameters and not self.public:
+            if probe:
                 await self._check_health()
             else:
                 async for outputs in self.handler.generate(call.inputs, ctx):
@@ -184,11 +194,14 @@ class DecoupledModelRunner:
                 raise
             task.uncancel()
             self.stopped["cancelled" if ctx.cancelled else "deadline"] += 1
+            tracing.failed(span, stopped)
             self._send_error(sender, stopped, ctx)
         except Exception as exc:  # every failure must reach the client, never the loop
+            tracing.failed(span, exc)
             self._send_error(sender, exc, ctx)
         finally:
             del self._live[task]
+            span.end()
 
     async def _check_health(self) -> None:
         check = getattr(self.handler, "check_health", None)
@@ -249,6 +262,7 @@ class DecoupledModelRunner:
             await self._metrics.stop()
         finally:
             await self.handler.close()
+            tracing.shutdown()
 
 
 @dataclass(frozen=True)

@@ -282,14 +282,70 @@ def test_load_generator_and_report_run_end_to_end(epd_stack, tmp_path):
         warmup=1,
     )
     runs = asyncio.run(
-        load.execute(front.grpc_url, plan, front_metrics=(front.host, front.metrics_port))
+        load.execute(
+            front.grpc_url,
+            plan,
+            front_metrics=(front.host, front.metrics_port),
+            traces=epd_stack.tracing.directory,
+        )
     )
     assert [(r.target, r.requests, r.errors) for r in runs] == [("epd", 4, 0), ("aggregated", 4, 0)]
     assert set(runs[0].ttft_by_kind_s) == {"text", "multi"} and runs[0].ttft_s.count == 4
     # E+PD has no prefill of its own: its first token is the one engine's
     phases = set(load.PHASES) - ({"prefill"} if epd_stack.one_engine else set())
     assert set(runs[0].phase_means_s) == phases and not runs[1].phase_means_s
+    # every measured epd request's hops, from the traces (warm-up requests left out)
+    assert runs[0].hops_s["epd"].count == 4 and runs[0].hops_s["stream"].count == 4
+    assert {"call encode", "encode", "embedding_pull", "first_token"} <= set(runs[0].hops_s)
+    assert not runs[1].hops_s
     doc = report.render([load.report("test", runs)], tmp_path / "benchmarks.md", tmp_path / "img")
     assert "text-only p90 TTFT under the mixed workload" in doc
     assert (tmp_path / "img" / "ttft-cdf-mixed.png").stat().st_size > 0
     assert (tmp_path / "img" / "ttft-phases.png").stat().st_size > 0
+
+
+def test_one_request_is_one_trace_through_every_hop(epd_stack):
+    """The trace of one image request (an image no cache holds): a span for every hop, in
+    every server it crossed, all under the front's ``epd`` span, one trace id."""
+    import time
+
+    from epd_bench.photos import photo_variant
+    from orchestrator.tracing import read_spans
+
+    traces = epd_stack.tracing.directory
+    image = photo_variant("astronaut", 424242)
+    assert stream(_front(epd_stack).grpc_url, "epd", "Describe this image.", [image], {})
+    deadline = time.monotonic() + 10
+    while True:  # the front's span ends just after its last response went out
+        spans = read_spans(traces)
+        roots = sorted((s for s in spans if s["name"] == "epd"), key=lambda s: s["start_ns"])
+        if roots or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    trace_id = roots[-1]["trace_id"]
+    mine = [s for s in spans if s["trace_id"] == trace_id]
+    llm = (
+        {"call pd": "front/epd", "pd": "llm/pd"}
+        if epd_stack.one_engine
+        else {
+            "call prefill": "front/epd",
+            "prefill": "prefill/prefill",
+            "call decode": "front/epd",
+            "decode": "decode/decode",
+        }
+    )
+    expected = {
+        "epd": "front/epd",
+        "call encode": "front/epd",
+        "encode": "encoder/encode",
+        "preprocess": "encoder/encode",
+        "vision_encoder": "encoder/encode",
+        "embedding_pull": "llm/pd" if epd_stack.one_engine else "prefill/prefill",
+        "first_token": "llm/pd" if epd_stack.one_engine else "decode/decode",
+        "stream": "front/epd",
+        **llm,
+    }
+    assert {s["name"]: s["instance"] for s in mine} == expected
+    ids = {s["span_id"] for s in mine}
+    assert [s["name"] for s in mine if s["parent_id"] not in ids] == ["epd"]  # one tree
+    assert all(s["end_ns"] >= s["start_ns"] for s in mine)

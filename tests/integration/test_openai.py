@@ -62,10 +62,15 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    workdir = tmp_path_factory.mktemp("openai")
     topology = local_topology(
-        tiny_model, EPD_LAYOUT, openai_on="front", openai={"max_concurrent_requests": 1}
+        tiny_model,
+        EPD_LAYOUT,
+        openai_on="front",
+        openai={"max_concurrent_requests": 1},
+        tracing={"directory": workdir / "traces"},
     )
-    deployment = Deployment(topology, tmp_path_factory.mktemp("openai"))
+    deployment = Deployment(topology, workdir)
     with deployment.running(timeout_s=600):
         yield deployment
 
@@ -153,6 +158,33 @@ def test_answers_as_triton_generate_does(stack, client, case):
     baseline = client.chat.completions.create(model="aggregated", messages=messages, **GREEDY)
     assert baseline.choices[0].message.content == text
     assert baseline.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_clients_trace_continues_through_every_server(stack, client):
+    """A client's ``traceparent`` header: the front's span joins that trace, and every
+    stage the request crossed adds its spans to it."""
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    header = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    messages = [{"role": "user", "content": [image_part(PHOTO), {"type": "text", "text": "?"}]}]
+    client.chat.completions.create(
+        model="epd", messages=messages, max_tokens=2, extra_headers=header
+    )
+    from orchestrator.tracing import read_spans
+
+    deadline = time.monotonic() + 10
+    while True:  # spans are written as they end; the front's last
+        spans = [
+            s for s in read_spans(stack.topology.tracing.directory) if s["trace_id"] == trace_id
+        ]
+        names = {s["name"] for s in spans}
+        if "chat.completions" in names or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    [top] = [s for s in spans if s["name"] == "chat.completions"]
+    assert top["parent_id"] == client_span and top["instance"] == "front/openai"
+    instances = {s["instance"] for s in spans}
+    assert {"front/openai", "front/epd", "prefill/prefill", "decode/decode"} <= instances
+    assert {"call epd", "epd", "call prefill", "prefill", "call decode", "decode"} <= names
 
 
 def test_async_client_streams_the_same(stack, client):

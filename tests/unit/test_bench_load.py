@@ -124,3 +124,31 @@ def test_ab_variants_are_valid_deployments(tiny_model):
         assert models[0] == "epd"
     pinned = ab.pin_cpus(ab.VARIANTS["e-pd/nixl"][0](tiny_model), ["0", "1"])
     assert [s.cpus for s in pinned.servers.values()] == ["0", "1", "0"]
+
+
+def test_hop_stats_count_the_traces_of_requests_begun_in_the_window():
+    def span(trace: str, name: str, start: int, ms: float, parent: str | None = "x") -> dict:
+        return {
+            "trace_id": trace,
+            "name": name,
+            "parent_id": parent,
+            "start_ns": start,
+            "end_ns": start + int(ms * 1e6),
+        }
+
+    spans = [
+        span("a", "epd", 100, 50, parent=None),
+        span("a", "encode", 110, 10),
+        span("b", "epd", 200, 30, parent=None),
+        span("b", "encode", 210, 20),
+        span("b", "encode", 220, 40),  # a second image
+        span("c", "epd", 900, 10, parent=None),  # began after the window
+        span("c", "encode", 905, 5),
+        span("d", "epd", 150, 10),  # not a root: a client's trace we only joined
+    ]
+    hops = load.hop_stats(spans, 100, 500)
+    assert set(hops) == {"epd", "encode"}
+    assert hops["epd"].count == 2 and hops["epd"].p50 == pytest.approx(0.040)
+    assert hops["encode"].count == 3 and hops["encode"].p50 == pytest.approx(0.020)
+    table = load.format_hops(hops)
+    assert table.splitlines()[1].split()[:3] == ["epd", "40.0", "48.0"]
