@@ -243,6 +243,18 @@ def cmd_bench_quick(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_idle(args: argparse.Namespace) -> int:
+    from epd_bench import idle
+    from epd_bench.quick import write_report
+
+    signal.signal(signal.SIGTERM, interrupt)
+    report = idle.run(topology_of(args), args.settle, args.window, args.timeout)
+    print(idle.format_report(report))
+    write_report(report, Path(args.out))
+    print(f"report: {args.out}")
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the ``epd`` parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
@@ -309,6 +321,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     soak.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     soak.add_argument("--out", default=".cache/bench/soak.json", help="JSON report path")
     soak.set_defaults(func=cmd_bench_soak)
+
+    idle = bench.add_parser("idle", help="CPU the deployment burns with no traffic")
+    idle.add_argument("--topology", help="topology to run (default: the embedded one)")
+    idle.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    idle.add_argument("--settle", type=float, default=10, help="seconds before measuring")
+    idle.add_argument("--window", type=float, default=30, help="seconds measured")
+    idle.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    idle.add_argument("--out", default=".cache/bench/idle.json", help="JSON report path")
+    idle.set_defaults(func=cmd_bench_idle)
 
     peer = bench.add_parser(
         "openai", help="our OpenAI endpoint vs plain vllm serve (vllm bench serve, per kind)"

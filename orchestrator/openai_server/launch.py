@@ -29,6 +29,13 @@ class OpenAIFront:
     _proc: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int:
+        """The running front's process id."""
+        if self._proc is None:
+            raise RuntimeError("the OpenAI front is not running")
+        return self._proc.pid
+
+    @property
     def url(self) -> str:
         host = self.spec.bind_address
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host

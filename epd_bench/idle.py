@@ -1,0 +1,72 @@
+"""``epd bench idle``: what a deployment costs while nothing happens.
+
+Starts the deployment, sends one request through ``epd`` (every stage has then served once),
+lets it settle, then measures the CPU time every server's process tree (Triton, its model
+stubs, vLLM engine cores) and each OpenAI front spend over a quiet window: cores = CPU
+seconds / wall seconds. Health probes, metric refreshes, transfer pollers and engine loops
+are what is left to see.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from epd_bench.schema import machine_info
+from orchestrator.config import Topology
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its descendants so far."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue  # gone meanwhile
+        total += times.user + times.system
+    return total
+
+
+def run(topology: Topology, settle_s: float, window_s: float, timeout_s: float) -> dict[str, Any]:
+    from orchestrator.client import generate, sample_photo
+    from orchestrator.triton.deployment import Deployment, on_free_ports
+
+    topology = on_free_ports(topology)
+    with tempfile.TemporaryDirectory(prefix="epd-idle-") as workdir:
+        deployment = Deployment(topology, Path(workdir))
+        with deployment.running(timeout_s):
+            front = topology.server_of("epd")[1]
+            generate(front.http_url, "epd", "Describe this image.", [sample_photo("coffee")], 4)
+            time.sleep(settle_s)
+            pids = {name: server.pid for name, server in deployment.servers.items()}
+            pids |= {f"{name} (OpenAI)": api.pid for name, api in deployment.openai.items()}
+            before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+            start = time.monotonic()
+            time.sleep(window_s)
+            wall = time.monotonic() - start
+            after = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+    cores = {name: (after[name] - before[name]) / wall for name in pids}
+    return {
+        "command": "epd bench idle",
+        "machine": machine_info(),
+        "layout": {name: spec.stages for name, spec in topology.servers.items()},
+        "settle_s": settle_s,
+        "window_s": round(wall, 2),
+        "cores": cores,
+        "total_cores": sum(cores.values()),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"idle for {report['window_s']:.0f} s after one request: CPU cores per server"]
+    for name, cores in report["cores"].items():
+        stages = ", ".join(report["layout"].get(name, ["openai"]))
+        lines.append(f"  {name:<16} {cores:6.3f}   ({stages})")
+    lines.append(f"  {'total':<16} {report['total_cores']:6.3f}")
+    return "\n".join(lines)
