@@ -328,6 +328,11 @@ class Topology(_Spec):
         """E+PD: ``epd`` sends the prompt to one ``pd`` engine, not to prefill then decode."""
         return bool(self.servers_of("pd"))
 
+    @property
+    def llm_stages(self) -> tuple[StageName, ...]:
+        """The engines behind ``epd``, in the order a prompt visits them."""
+        return ("pd",) if self.one_engine else ("prefill", "decode")
+
     def servers_of(self, stage: StageName) -> dict[str, ServerSpec]:
         """Every server hosting ``stage``, by name (several scale a stage out)."""
         return {name: s for name, s in self.servers.items() if stage in s.stages}

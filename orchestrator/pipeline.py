@@ -83,9 +83,7 @@ class EPDPipeline:
         self.limits = topo.limits
         self.routing = topo.routing
         self.one_engine = topo.one_engine
-        self.llm_stages: tuple[StageName, ...] = (
-            ("pd",) if self.one_engine else ("prefill", "decode")
-        )
+        self.llm_stages = topo.llm_stages
         """Where a prompt goes after its images are encoded: E+PD or E/P/D."""
         self.prompts = PromptBuilder.for_topology(topo, self.llm_stages)
         key = DeploymentKey.from_env()

@@ -77,7 +77,7 @@ class ChatService:
         hosted = [m for m in ("epd", "aggregated") if m in spec.stages]
         self.models = {topology.served_model_name: hosted[0], **{m: m for m in hosted}}
         """Names a request may send, and the Triton model each one calls."""
-        roles = {"epd": ("prefill", "decode"), "aggregated": ("aggregated",)}
+        roles = {"epd": topology.llm_stages, "aggregated": ("aggregated",)}
         self.context = {m: context_length(topology, roles[m]) for m in hosted}
         """Each model's context length (``max_model_len`` in ``/v1/models``)."""
         self.client = GrpcStageClient(spec.local_grpc_url, DeploymentKey.from_env())

@@ -109,6 +109,42 @@ def test_serve_demo_second_copy_and_ctrl_c(tiny_model: Path, tmp_path: Path):
             proc.wait(10)
 
 
+def test_serve_the_default_layout_answers_on_every_entry_point(tiny_model: Path, tmp_path: Path):
+    """What `make serve` runs (the embedded E+PD default, on free ports here): the demo's
+    photo is answered by `epd`, `aggregated` and the OpenAI API, the same text by all."""
+    from orchestrator.config import default_topology
+    from orchestrator.triton.deployment import on_free_ports
+
+    topology = on_free_ports(default_topology(tiny_model))
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(topology.model_dump(mode="json")))
+    cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--topology", str(config)]
+    proc = subprocess.Popen(
+        [*cmd, "--workdir", str(tmp_path / "work"), "--demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output = _Lines(proc).until("serving; Ctrl-C to stop", timeout=500)
+        answers = {
+            line.split(" answered: ")[0]: line.split(" answered: ")[1]
+            for line in output.splitlines()
+            if " answered: " in line
+        }
+        assert set(answers) == {"epd", "aggregated", "OpenAI API"}, output
+        assert len(set(answers.values())) == 1, answers
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
 def _processes_mentioning(text: str) -> list[str]:
     out = subprocess.run(
         ["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True, text=True
