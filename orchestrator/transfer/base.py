@@ -65,9 +65,14 @@ class ProducerConfig(BaseModel):
     port: int = Field(default=0, ge=0, le=65535)
     """Side-channel TCP port; 0 picks a free one."""
     poll_interval_s: float = Field(default=0.001, gt=0)
-    """Period of the thread that drains NIXL notifications and progresses UCX. A consumer's
-    READ completes only once this side has progressed (its notification is acknowledged), so
-    each fetch waits up to one period: 1 ms costs ~3% of a core idle, 0.2 ms ~11%."""
+    """Period of the thread that drains NIXL notifications and progresses UCX while handles
+    are lent out. A consumer's READ completes only once this side has progressed (its
+    notification is acknowledged), so each fetch waits up to one period (1 ms polling costs
+    ~3% of a core, 0.2 ms ~11%)."""
+    idle_poll_interval_s: float = Field(default=1.0, gt=0)
+    """Period of that thread while no handle is lent out (nothing should be pulled then;
+    a late READ of an unpinned, cached entry waits up to this long): an idle encoder
+    costs next to nothing. Lending a handle wakes the thread at once."""
 
 
 class ConsumerConfig(BaseModel):

@@ -60,6 +60,7 @@ class PoolProducer(EmbeddingProducer):
         self.pool_base: int = self._buf.ctypes.data
         self.pool_size: int = self._buf.nbytes
         self._stop = threading.Event()
+        self._lent = threading.Event()  # a handle was lent since the poller last looked
         self._poller = threading.Thread(target=self._poll, name="epd-notifs", daemon=True)
 
     def start_polling(self) -> None:
@@ -106,13 +107,33 @@ class PoolProducer(EmbeddingProducer):
             largest_free=max(0, usage.largest_free - 2 * NONCE_BYTES),
         )
 
+    def lookup(self, content_hash: str) -> EmbeddingHandle | None:
+        handle = super().lookup(content_hash)
+        if handle is not None:
+            self._lent.set()
+        return handle
+
+    def put(self, embeds: np.ndarray, **kwargs) -> EmbeddingHandle:  # noqa: ANN003
+        handle = super().put(embeds, **kwargs)
+        self._lent.set()
+        return handle
+
     def _poll(self) -> None:
-        """Unpin handles whose READ completed or whose TTL passed, every ``poll_interval_s``.
+        """Unpin handles whose READ completed or whose TTL passed: every ``poll_interval_s``
+        while handles are lent out, every ``idle_poll_interval_s`` (or as soon as one is
+        lent) while none is.
 
         The only thread that asks the engine for notifications after start-up (for NIXL
         over UCX's ``tcp`` this also progresses the transfers consumers are waiting on).
         """
-        while not self._stop.wait(self.config.poll_interval_s):
+        while not self._stop.is_set():
+            if self._table.pinned_handles:  # an int read: no lock needed to decide a sleep
+                self._stop.wait(self.config.poll_interval_s)
+            else:
+                self._lent.wait(self.config.idle_poll_interval_s)
+            self._lent.clear()
+            if self._stop.is_set():
+                return
             try:
                 handle_ids = self._notifications()
             except Exception:
@@ -128,6 +149,7 @@ class PoolProducer(EmbeddingProducer):
         if self._stop.is_set():
             return False
         self._stop.set()
+        self._lent.set()
         if self._poller.is_alive():
             self._poller.join(timeout=5)
         return True
