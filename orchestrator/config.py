@@ -210,8 +210,12 @@ class RoutingSpec(_Spec):
     """Period of the readiness probe of every remote stage server (dead ones are taken out
     of rotation, recovered ones re-admitted)."""
     probe_timeout_s: float = Field(default=2.0, gt=0)
-    """A server that does not answer its probe within this is treated as down (above the
-    1 s cap on gRPC's reconnect backoff, so a server that just came up gets one try)."""
+    """How long a probe waits for its answer (above the 1 s cap on gRPC's reconnect backoff,
+    so a server that just came up gets one try)."""
+    probe_misses_to_down: int = Field(default=3, ge=1)
+    """Probes in a row a server may leave unanswered before it is taken out of rotation: a
+    server too busy to answer within ``probe_timeout_s`` is not dead. A refused connection
+    or an unhealthy answer (a dead engine) takes it out at the first probe."""
     reuse_index_entries: int = Field(default=65536, ge=0)
     """Images remembered per front for cache-aware routing to the encoder holding them
     (0 turns cache-aware routing off)."""

@@ -211,7 +211,9 @@ class EncodeHandler:
             for i, data in enumerate(images):
                 # One image per call from the front, which names it in the whole request.
                 which = f"image {i}" if len(images) > 1 else ""
-                image, digest = await loop.run_in_executor(None, self._prepare, which, bytes(data))
+                with tracing.span("decode_image", ctx.trace):
+                    prepare = self._prepare
+                    image, digest = await loop.run_in_executor(None, prepare, which, bytes(data))
                 handles.append(await self._handle(image, digest, ctx))
                 issued = [*self.issued.get(ctx.request_id, []), handles[-1].handle_id]
                 _remember(self.issued, ctx.request_id, issued, ISSUED_REQUESTS_REMEMBERED)

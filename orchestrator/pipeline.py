@@ -96,7 +96,7 @@ class EPDPipeline:
                     url = server.local_grpc_url if name == ctx.server else server.grpc_url
                     self._clients[name] = GrpcStageClient(url, key)
                 targets[name] = self._clients[name]
-            self.routes[stage] = StageRoute(stage, targets)
+            self.routes[stage] = StageRoute(stage, targets, topo.routing.probe_misses_to_down)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
         self.health = HealthMonitor(
             self.routes.values(), topo.routing.health_interval_s, topo.routing.probe_timeout_s

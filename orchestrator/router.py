@@ -27,12 +27,17 @@ log = logging.getLogger(__name__)
 class StageRoute:
     """The servers hosting one stage: their clients, health and calls in flight."""
 
-    def __init__(self, stage: str, targets: dict[str, StageClient]) -> None:
+    def __init__(
+        self, stage: str, targets: dict[str, StageClient], misses_to_down: int = 1
+    ) -> None:
         if not targets:
             raise ValueError(f"no server hosts stage {stage!r}")
         self.stage = stage
         self.targets = targets
+        self.misses_to_down = misses_to_down
+        """Probes in a row a server may leave unanswered before it is taken out."""
         self._outstanding = dict.fromkeys(targets, 0)
+        self._missed = dict.fromkeys(targets, 0)  # probes unanswered in a row
         self._down: dict[str, str] = {}  # name -> why
         self._turn = itertools.count()
 
@@ -95,14 +100,26 @@ class StageRoute:
         return name in self._down
 
     async def probe(self, name: str, timeout_s: float) -> bool:
-        """Ask ``name`` whether it is ready; update its health; the answer."""
+        """Ask ``name`` whether it is ready; update its health; whether it is in rotation.
+
+        A refused connection or an answer of "not healthy" takes the server out at once; a
+        probe left unanswered only counts: a server busy enough to answer late is not dead,
+        and taking it out would fail requests it would have served. ``misses_to_down`` in a
+        row take it out."""
         try:
             ready = await asyncio.wait_for(self.targets[name].ready(self.stage), timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        except TimeoutError:
+            self._missed[name] += 1
+            if self._missed[name] < self.misses_to_down:
+                return not self.is_down(name)
+            ready = False
+            why = f"{self._missed[name]} readiness probes in a row unanswered within {timeout_s:g}s"
+        except Exception as exc:  # noqa: BLE001 - any other failure means not ready
             ready, why = False, f"readiness probe failed: {str(exc) or type(exc).__name__}"
         else:
             why = "not ready"
         if ready:
+            self._missed[name] = 0
             self.mark_up(name)
         else:
             self.mark_down(name, why)

@@ -338,6 +338,7 @@ def test_one_request_is_one_trace_through_every_hop(epd_stack):
         "epd": "front/epd",
         "call encode": "front/epd",
         "encode": "encoder/encode",
+        "decode_image": "encoder/encode",
         "preprocess": "encoder/encode",
         "vision_encoder": "encoder/encode",
         "embedding_pull": "llm/pd" if epd_stack.one_engine else "prefill/prefill",

@@ -1,7 +1,7 @@
-"""Every supported family, from a checkpoint laid out as a hub download (bf16 shards, index,
-processor files), served by the whole stack: ``epd`` (E -> P -> D over NIXL) equals the
-``aggregated`` engine equals plain offline vLLM, token for token (fp32 compute), on a real
-photo, two images, odd sizes and a text-only request."""
+"""Every supported family, from a checkpoint laid out as a hub download (bf16 shards,
+index, processor files), served by the whole stack in both layouts: ``epd`` (E -> P -> D
+over NIXL, and E -> PD) equals the ``aggregated`` engine equals plain offline vLLM, token
+for token (fp32 compute), on a real photo, two images, odd sizes and a text-only request."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from PIL import Image
 
 from orchestrator.client import sample_photo, stream
 from orchestrator.config import Topology
-from tests.conftest import EPD_LAYOUT, FAMILIES, local_topology, running_stack, wait_unpinned
+from tests.conftest import (
+    E_PD_LAYOUT,
+    EPD_LAYOUT,
+    FAMILIES,
+    local_topology,
+    running_stack,
+    wait_unpinned,
+)
 from tests.integration.test_epd_e2e import offline_reference
 
 pytestmark = pytest.mark.server
@@ -39,16 +46,29 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["E/P/D", "E+PD"])
 def family_stack(
-    request: pytest.FixtureRequest, hub_checkpoint, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    family: str,
+    hub_checkpoint,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Topology]:
-    topology = local_topology(hub_checkpoint(request.param), EPD_LAYOUT)
-    yield from running_stack(topology, tmp_path_factory.mktemp(f"stack-{request.param}"))
+    """Each family in both layouts: E/P/D (decode gets only layouts and KV) and E+PD (one
+    engine takes the embeddings)."""
+    layout = EPD_LAYOUT if request.param == "E/P/D" else E_PD_LAYOUT
+    topology = local_topology(hub_checkpoint(family), layout)
+    yield from running_stack(topology, tmp_path_factory.mktemp(f"stack-{family}"))
 
 
 @pytest.fixture(scope="module")
-def reference(family_stack: Topology, tmp_path_factory) -> dict[str, str]:
-    return offline_reference(family_stack, CASES, MAX_TOKENS, tmp_path_factory.mktemp("ref"))
+def reference(family: str, hub_checkpoint, tmp_path_factory) -> dict[str, str]:
+    """Offline vLLM's answers (once per family, for both layouts)."""
+    topology = local_topology(hub_checkpoint(family), EPD_LAYOUT)
+    return offline_reference(topology, CASES, MAX_TOKENS, tmp_path_factory.mktemp("ref"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -114,3 +114,27 @@ def test_require_probes_again_before_failing():
     route.mark_down("d", "refused")
     with pytest.raises(Unavailable, match="no healthy decode server left; d: not ready"):
         asyncio.run(route.require(probe_timeout_s=1))
+
+
+def test_a_server_too_busy_to_answer_a_probe_stays_until_it_misses_several():
+    class _Slow:
+        def __init__(self) -> None:
+            self.delay = 5.0
+
+        async def ready(self, model: str) -> bool:
+            await asyncio.sleep(self.delay)
+            return True
+
+    slow = _Slow()
+    route = StageRoute("prefill", {"p": slow}, misses_to_down=3)  # type: ignore[dict-item]
+
+    async def probes(n: int) -> list[bool]:
+        return [await route.probe("p", timeout_s=0.01) for _ in range(n)]
+
+    assert asyncio.run(probes(2)) == [True, True] and route.healthy == ["p"]
+    assert asyncio.run(probes(1)) == [False]
+    assert "3 readiness probes in a row unanswered" in route._down["p"]
+    slow.delay = 0
+    assert asyncio.run(probes(1)) == [True] and route.healthy == ["p"]
+    slow.delay = 5.0
+    assert asyncio.run(probes(2)) == [True, True]  # the count starts again after an answer
