@@ -11,7 +11,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from orchestrator.frontend import (
     deltas_of,
     parse_front_request,
 )
-from orchestrator.llm import LLMEngine, to_vllm_sampling
+from orchestrator.llm import LLMEngine, LLMRole, to_vllm_sampling
 from orchestrator.protocol import (
     Cancelled,
     DecodeRequest,
@@ -339,28 +339,55 @@ class EmbeddingPuller:
         self.consumer.close()
 
 
-class PrefillHandler:
-    """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
+class _EngineHandler:
+    """What every handler hosting a vLLM engine shares: the engine of its role (args from
+    ``model.json``), its metrics, the health check the front's probe asks, shutdown."""
 
-    def __init__(self, ctx: ModelContext) -> None:
+    role: ClassVar[LLMRole]
+
+    def __init__(self, ctx: ModelContext, **labels: str) -> None:
         from orchestrator.families import family_for
         from orchestrator.metrics import MetricsPublisher, publish_engine
 
-        topo = ctx.topology
-        self.family = family_for(topo.model)
-        self.engine = LLMEngine.for_model(ctx, "prefill")
-        self.public_host = topo.servers[ctx.server].host
-        self.metrics = MetricsPublisher(
-            ctx.pb_utils, {"server": ctx.server, "transport": topo.transfer.kind}
-        )
-        publish_engine(self.metrics, self.engine, "prefill")
-        self.puller = EmbeddingPuller(ctx, self.metrics)
+        self.family = family_for(ctx.topology.model)
+        self.engine = LLMEngine.for_model(ctx, self.role)
+        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server, **labels})
+        publish_engine(self.metrics, self.engine, self.role)
 
     @classmethod
-    async def create(cls, ctx: ModelContext) -> PrefillHandler:
+    async def create(cls, ctx: ModelContext) -> Self:
         handler = cls(ctx)
         handler.metrics.start()
         return handler
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def close(self) -> None:
+        await self.metrics.stop()
+        self.engine.shutdown()
+
+
+class _PullingHandler(_EngineHandler):
+    """An engine fed with image embeddings pulled by handle (prefill, pd)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx, transport=ctx.topology.transfer.kind)
+        self.puller = EmbeddingPuller(ctx, self.metrics)
+
+    async def close(self) -> None:
+        await super().close()
+        self.puller.close()
+
+
+class PrefillHandler(_PullingHandler):
+    """Pull embeddings by handle, prefill with vLLM (KV producer), return ``kv_transfer_params``."""
+
+    role = "prefill"
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
+        self.public_host = ctx.topology.servers[ctx.server].host
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
@@ -390,35 +417,12 @@ class PrefillHandler:
             ),
         )
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
 
-    async def close(self) -> None:
-        await self.metrics.stop()
-        self.engine.shutdown()
-        self.puller.close()
-
-
-class PrefillDecodeHandler:
+class PrefillDecodeHandler(_PullingHandler):
     """E+PD: one vLLM engine pulls the embeddings by handle, prefills and streams the
     decode itself (no KV moves between engines, one scheduler)."""
 
-    def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.metrics import MetricsPublisher, publish_engine
-
-        topo = ctx.topology
-        self.engine = LLMEngine.for_model(ctx, "pd")
-        self.metrics = MetricsPublisher(
-            ctx.pb_utils, {"server": ctx.server, "transport": topo.transfer.kind}
-        )
-        publish_engine(self.metrics, self.engine, "pd")
-        self.puller = EmbeddingPuller(ctx, self.metrics)
-
-    @classmethod
-    async def create(cls, ctx: ModelContext) -> PrefillDecodeHandler:
-        handler = cls(ctx)
-        handler.metrics.start()
-        return handler
+    role = "pd"
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request = from_tensor(inputs, "request", PrefillDecodeRequest)
@@ -429,35 +433,17 @@ class PrefillDecodeHandler:
         async for response in _timing_first_token(responses, ctx):
             yield response
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
 
-    async def close(self) -> None:
-        await self.metrics.stop()
-        self.engine.shutdown()
-        self.puller.close()
-
-
-class DecodeHandler:
+class DecodeHandler(_EngineHandler):
     """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text."""
 
-    def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.families import family_for
-        from orchestrator.metrics import MetricsPublisher, publish_engine
+    role = "decode"
 
-        self.family = family_for(ctx.topology.model)
-        self.engine = LLMEngine.for_model(ctx, "decode")
-        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
-        publish_engine(self.metrics, self.engine, "decode")
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
         self.admitted: set[str] = set()
         """Requests in this engine now (their KV may be on its way from prefill)."""
         self.abandoned: OrderedDict[str, None] = OrderedDict()
-
-    @classmethod
-    async def create(cls, ctx: ModelContext) -> DecodeHandler:
-        handler = cls(ctx)
-        handler.metrics.start()
-        return handler
 
     async def _abandon(self, request: DecodeRequest) -> None:
         """Let prefill free the KV of a request that ended before its first token now,
@@ -497,34 +483,16 @@ class DecodeHandler:
         finally:
             self.admitted.discard(request.request_id)
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
 
-    async def close(self) -> None:
-        await self.metrics.stop()
-        self.engine.shutdown()
-
-
-class AggregatedHandler:
+class AggregatedHandler(_EngineHandler):
     """The baseline: one vLLM engine, pixels in, text out, same interface as ``epd``."""
 
+    role = "aggregated"
+
     def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.families import family_for
-        from orchestrator.metrics import MetricsPublisher, publish_engine
-
-        topo = ctx.topology
-        self.limits = topo.limits
-        self.family = family_for(topo.model)
-        self.engine = LLMEngine.for_model(ctx, "aggregated")
-        self.prompts = PromptBuilder.for_topology(topo, ("aggregated",))
-        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
-        publish_engine(self.metrics, self.engine, "aggregated")
-
-    @classmethod
-    async def create(cls, ctx: ModelContext) -> AggregatedHandler:
-        handler = cls(ctx)
-        handler.metrics.start()
-        return handler
+        super().__init__(ctx)
+        self.limits = ctx.topology.limits
+        self.prompts = PromptBuilder.for_topology(ctx.topology, ("aggregated",))
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         from orchestrator.encoder.preprocess import decode_image
@@ -547,7 +515,3 @@ class AggregatedHandler:
             deltas_of(outputs), request.stream, request.outputs
         ):
             yield response
-
-    async def close(self) -> None:
-        await self.metrics.stop()
-        self.engine.shutdown()
