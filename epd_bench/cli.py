@@ -255,6 +255,12 @@ def cmd_bench_idle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    """The deployment a command starts: a topology file, or the embedded one on a model."""
+    parser.add_argument("--topology", help="topology to run (default: the embedded one)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the ``epd`` parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
@@ -314,8 +320,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cache.set_defaults(func=cmd_bench_cache)
 
     soak = bench.add_parser("soak", help="many mixed requests: errors and memory growth")
-    soak.add_argument("--topology", help="topology to run (default: the embedded one)")
-    soak.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    _deployment_arguments(soak)
     soak.add_argument("--requests", type=int, default=10_000, help="measured requests")
     soak.add_argument("--warmup", type=int, default=300, help="requests before the baseline")
     soak.add_argument("--concurrency", type=int, default=4, help="requests in flight")
@@ -323,8 +328,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     soak.set_defaults(func=cmd_bench_soak)
 
     idle = bench.add_parser("idle", help="CPU the deployment burns with no traffic")
-    idle.add_argument("--topology", help="topology to run (default: the embedded one)")
-    idle.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    _deployment_arguments(idle)
     idle.add_argument("--settle", type=float, default=10, help="seconds before measuring")
     idle.add_argument("--window", type=float, default=30, help="seconds measured")
     idle.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
@@ -334,8 +338,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     peer = bench.add_parser(
         "openai", help="our OpenAI endpoint vs plain vllm serve (vllm bench serve, per kind)"
     )
-    peer.add_argument("--topology", help="topology to run (default: the embedded one)")
-    peer.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    _deployment_arguments(peer)
     peer.add_argument("--prompts", type=int, default=80, help="measured requests per run")
     peer.add_argument("--warmups", type=int, default=12, help="requests before each run")
     peer.add_argument("--concurrency", type=int, default=4, help="requests in flight")
