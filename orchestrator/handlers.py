@@ -11,7 +11,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from orchestrator.protocol import (
 from orchestrator.stage_client import BlsInfer
 from orchestrator.transfer.base import PoolFullError, numpy_dtype
 from orchestrator.triton.runner import ModelContext
+
+if TYPE_CHECKING:
+    from orchestrator.families import ModelFamily
 
 Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -212,8 +215,9 @@ class EncodeHandler:
                 # One image per call from the front, which names it in the whole request.
                 which = f"image {i}" if len(images) > 1 else ""
                 with tracing.span("decode_image", ctx.trace):
-                    prepare = self._prepare
-                    image, digest = await loop.run_in_executor(None, prepare, which, bytes(data))
+                    image, digest = await loop.run_in_executor(
+                        None, self._prepare, which, bytes(data)
+                    )
                 handles.append(await self._handle(image, digest, ctx))
                 issued = [*self.issued.get(ctx.request_id, []), handles[-1].handle_id]
                 _remember(self.issued, ctx.request_id, issued, ISSUED_REQUESTS_REMEMBERED)
@@ -237,12 +241,11 @@ class EmbeddingPuller:
     embeddings into its rows of the engine input, and keeps recently pulled ones (this
     server's own cache, so a repeated image costs no pull)."""
 
-    def __init__(self, ctx: ModelContext, metrics: Any) -> None:
-        from orchestrator.families import family_for
+    def __init__(self, ctx: ModelContext, family: ModelFamily, metrics: Any) -> None:
         from orchestrator.transfer import make_consumer
 
         topo = ctx.topology
-        self.family = family_for(topo.model)
+        self.family = family
         self.key = DeploymentKey.from_env()
         self.encoder_hosts = {topo.servers[name].host for name in topo.servers_of("encode")}
         self.used: OrderedDict[str, None] = OrderedDict()
@@ -373,7 +376,7 @@ class _PullingHandler(_EngineHandler):
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__(ctx, transport=ctx.topology.transfer.kind)
-        self.puller = EmbeddingPuller(ctx, self.metrics)
+        self.puller = EmbeddingPuller(ctx, self.family, self.metrics)
 
     async def close(self) -> None:
         await super().close()
