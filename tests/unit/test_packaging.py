@@ -30,7 +30,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # No build isolation: setuptools comes from this venv, so no network is needed.
     src = tmp_path_factory.mktemp("src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("orchestrator", "epd_bench", "model_repository"):
+    for name in ("orchestrator", "epd_bench", "epd_plan", "model_repository"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -56,7 +56,7 @@ def test_wheel_ships_every_module(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = [
         f"{package}/{f}"
-        for package in ("orchestrator", "epd_bench")
+        for package in ("orchestrator", "epd_bench", "epd_plan")
         for f in _files(ROOT / package)
     ]
     assert [f for f in expected if f not in names] == []
@@ -86,8 +86,8 @@ def test_source_is_the_checkout_folder_here() -> None:
 
 
 def test_the_product_imports_no_benchmark_code() -> None:
-    """The benchmarks sit beside the product and register their commands through the
-    ``epd.commands`` entry point: nothing in ``orchestrator`` imports ``epd_bench``."""
+    """The benchmarks and the planner sit beside the product and register their commands
+    through the ``epd.commands`` entry point: nothing in ``orchestrator`` imports them."""
     import ast
 
     offenders = []
@@ -98,6 +98,6 @@ def test_the_product_imports_no_benchmark_code() -> None:
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
-            if any(n == "epd_bench" or n.startswith("epd_bench.") for n in names):
+            if any(n.split(".")[0] in ("epd_bench", "epd_plan") for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []

@@ -1,0 +1,189 @@
+"""``epd plan ...``: capacity planning, registered on the product's ``epd`` CLI.
+
+``epd plan profile`` measures this machine's stage profiles; ``epd plan`` reads profiles, a
+workload and an SLO and recommends a fleet per layout (or, with ``--fleet``, predicts one
+given fleet), printing the predicted percentiles, the bottleneck and the headroom, and
+writing the topology of the recommendation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+DEFAULT_PROFILES = Path(".cache/plan/profiles")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from epd_plan import measure, profile
+    from orchestrator.cli import topology_of
+
+    model = topology_of(argparse.Namespace(topology=None, model=args.model)).model
+    machine = profile.Machine.this(args.machine, args.cost_per_hour)
+    sweep = measure.Sweep.quick() if args.quick else measure.Sweep()
+    command = "epd plan profile " + " ".join(sys.argv[3:])
+    out = Path(args.out)
+    print(f"profiling {model} on {machine.name} ({machine.cpu}, {machine.cores} cores)")
+    encode, hops = measure.measure_deployment(model, machine, sweep, args.timeout, command)
+    prefill, decode = measure.measure_engine(model, machine, sweep, command)
+    for p in (encode, hops, prefill, decode):
+        print(f"wrote {profile.write(p, out)}")
+    print(
+        f"encode: {encode.image_s * 1e3:.2f} ms/image + {encode.mpix_s * 1e3:.2f} ms/MP; "
+        f"prefill step: {prefill.base_s * 1e3:.2f} ms + {prefill.per_token_s * 1e6:.1f} us/token; "
+        f"decode step: {decode.base_s * 1e3:.2f} ms + {decode.per_seq_s * 1e3:.3f} ms/seq; "
+        f"hops: encode {hops.encode_call_s * 1e3:.1f}, llm {hops.llm_call_s * 1e3:.1f}, "
+        f"kv {hops.kv_transfer_s * 1e3:.1f}, relay {hops.token_relay_s * 1e3:.1f} ms"
+    )
+    return 0
+
+
+def parse_fleet(text: str):
+    """``LAYOUT stage=N[@machine] ...``, e.g. ``E/P/D encode=2 prefill=1 decode=3@h100``."""
+    from epd_plan.simulate import LAYOUTS
+    from epd_plan.workload import PlanInputError
+
+    layout, *parts = text.split()
+    if layout not in LAYOUTS:
+        raise PlanInputError(f"--fleet: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    stages = {}
+    for part in parts:
+        stage, _, count = part.partition("=")
+        replicas, _, machine = count.partition("@")
+        if not replicas.isdigit():
+            raise PlanInputError(f"--fleet: {part!r} is not stage=REPLICAS[@machine]")
+        stages[stage] = (int(replicas), machine or None)
+    return layout, stages
+
+
+def _fleet(text: str, profiles):
+    from epd_plan.simulate import Fleet, StageCount
+
+    layout, stages = parse_fleet(text)
+    counts = {}
+    for stage, (replicas, machine) in stages.items():
+        if machine is None:
+            source = "encode" if stage == "encode" else "prefill"
+            machines = profiles.machines(source)
+            machine = machines[0].name if machines else "?"
+        counts[stage] = StageCount(machine, replicas)
+    return Fleet(layout, counts)
+
+
+def _row(label: str, p) -> str:
+    util = ", ".join(f"{s} {u:.0%}" for s, u in p.utilization.items())
+    return (
+        f"{label:<44} TTFT p50/p90 {p.ttft_s.p50 * 1e3:8.1f}/{p.ttft_s.p90 * 1e3:8.1f} ms  "
+        f"TPOT p90 {p.tpot_s.p90 * 1e3:7.2f} ms  {p.throughput_rps:9.1f} req/s  busy: {util}  "
+        f"bottleneck {p.bottleneck}, headroom {1 - max(p.utilization.values()):.0%}"
+        + ("" if p.stable else "  UNSTABLE")
+    )
+
+
+def _prediction_json(p) -> dict:
+    data = asdict(p)
+    data["fleet"] = {
+        "layout": p.fleet.layout,
+        "stages": {
+            s: {"machine": c.machine, "replicas": c.replicas} for s, c in p.fleet.stages.items()
+        },
+    }
+    data["bottleneck"] = p.bottleneck
+    return data
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from epd_plan import planner
+    from epd_plan.profile import Profiles
+    from epd_plan.simulate import simulate
+    from epd_plan.workload import PlanInputError, Slo, Workload, load
+
+    try:
+        profiles = Profiles.load(Path(args.profiles))
+        if not args.workload:
+            raise PlanInputError("--workload FILE is required (YAML: rate_rps, image_share, ...)")
+        workload = load(Path(args.workload), Workload)
+        if args.fleet:
+            fleet = _fleet(args.fleet, profiles)
+            p = simulate(fleet, profiles, workload)
+            print(_row(fleet.describe(), p))
+            print(f"simulated {p.events:,} events in {p.wall_s:.1f} s")
+            report = {"prediction": _prediction_json(p)}
+        else:
+            if not args.slo:
+                raise PlanInputError("--slo FILE is required (YAML: ttft_p90_s, tpot_p90_s)")
+            slo = load(Path(args.slo), Slo)
+            result = planner.plan(profiles, workload, slo, tuple(args.layout or planner.LAYOUTS))
+            report = _report_plan(result, profiles, args)
+    except PlanInputError as exc:
+        print(f"epd plan: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _report_plan(result, profiles, args: argparse.Namespace) -> dict:
+    from epd_plan import planner
+
+    report: dict = {"layouts": []}
+    for lp in result.layouts:
+        if lp.fleet is None:
+            print(f"{lp.layout:<8} no fleet meets the SLO: {lp.why_not}")
+            report["layouts"].append({"layout": lp.layout, "why_not": lp.why_not})
+            continue
+        print(_row(f"{lp.fleet.describe()} (cost {lp.cost:g}/h)", lp.prediction))
+        report["layouts"].append(
+            {"layout": lp.layout, "cost": lp.cost, "prediction": _prediction_json(lp.prediction)}
+        )
+    best = result.best
+    if best is None:
+        print("epd plan: no layout meets the SLO with the profiled hardware", file=sys.stderr)
+        return report
+    print(f"recommended: {best.fleet.describe()} at cost {best.cost:g}/h")
+    report["recommended"] = best.layout
+    if args.topology_out:
+        topology = planner.topology_for(best.fleet, Path(args.model))
+        data = json.loads(topology.model_dump_json(exclude_defaults=True))
+        Path(args.topology_out).write_text(yaml.safe_dump(data, sort_keys=False))
+        print(f"wrote {args.topology_out} (set each server's host to its address)")
+    if best.layout == "E/P/D":
+        replicas = planner.replica_counts(best.fleet)
+        print("deploy/k8s replicas (kustomization.yaml):")
+        print(yaml.safe_dump({"replicas": [{"name": n, "count": c} for n, c in replicas.items()]}))
+        report["k8s_replicas"] = replicas
+    return report
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``plan`` and ``plan profile`` to the ``epd`` parser's subcommands."""
+    plan = sub.add_parser(
+        "plan", help="capacity planning: fleet per stage for a workload and an SLO"
+    )
+    plan.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile folder")
+    plan.add_argument("--workload", help="workload file (YAML/JSON)")
+    plan.add_argument("--slo", help="SLO file (YAML/JSON): ttft_p90_s, tpot_p90_s")
+    plan.add_argument("--layout", action="append", choices=["aggregated", "E+PD", "E/P/D"])
+    plan.add_argument("--fleet", help="predict this fleet instead, e.g. 'E+PD encode=1 pd=2'")
+    plan.add_argument("--model", default="/models/model", help="model path in the topology")
+    plan.add_argument("--topology-out", help="write the recommended fleet's topology here")
+    plan.add_argument("--out", help="JSON report path")
+    plan.set_defaults(func=cmd_plan)
+    steps = plan.add_subparsers(dest="plan_command")
+    prof = steps.add_parser("profile", help="measure this machine's stage profiles")
+    from orchestrator.cli import DEFAULT_MODEL
+
+    prof.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    prof.add_argument("--out", default=str(DEFAULT_PROFILES), help="profile folder")
+    prof.add_argument("--machine", help="hardware name in the profiles (default cpu-<N>c)")
+    prof.add_argument("--cost-per-hour", type=float, default=1.0)
+    prof.add_argument("--quick", action="store_true", help="fewer samples (for tests)")
+    prof.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    prof.set_defaults(func=cmd_profile)

@@ -1,0 +1,267 @@
+"""``epd plan profile``: measure each stage on this machine and write its profile.
+
+Two parts, one after the other so they never share the cores:
+
+1. **The deployment** (E/P/D on free local ports, traces on): images of each size are sent
+   one at a time through ``epd``; the traces give each encode call's own time (the ``encode``
+   span on the encoder) and what every hop adds around the stages (``call X`` minus ``X``,
+   the decode side's first token, what the front adds) -- the encode and hops profiles.
+2. **The engine alone** (one vLLM engine with the deployment's engine arguments, nothing
+   else running): prompts of several lengths in batches, prefilled with one output token,
+   and batches of sequences decoding at two context lengths -- the prefill and decode step
+   costs, fitted to the samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from epd_plan.profile import (
+    DecodeProfile,
+    DecodeSample,
+    EncodeProfile,
+    EncodeSample,
+    HopsProfile,
+    Machine,
+    PrefillProfile,
+    PrefillSample,
+    fit,
+    now,
+)
+from orchestrator.config import Topology, default_topology
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What ``epd plan profile`` measures."""
+
+    sizes: tuple[tuple[int, int], ...] = ((224, 224), (448, 448), (896, 896))
+    images_per_size: int = 6
+    prompt_tokens: tuple[int, ...] = (16, 64, 256)
+    prefill_batches: tuple[int, ...] = (1, 4)
+    decode_batches: tuple[int, ...] = (1, 4, 8)
+    decode_contexts: tuple[int, ...] = (32, 256)
+    decode_tokens: int = 24
+    repeats: int = 2
+
+    @classmethod
+    def quick(cls) -> Sweep:
+        """Fewest samples that still fit every coefficient (for tests)."""
+        return cls(
+            sizes=((224, 224), (448, 448)),
+            images_per_size=3,
+            prompt_tokens=(16, 128),
+            prefill_batches=(1, 2),
+            decode_batches=(1, 4),
+            decode_contexts=(32, 256),
+            decode_tokens=12,
+            repeats=1,
+        )
+
+
+def _photo(width: int, height: int, serial: int) -> bytes:
+    from PIL import Image
+
+    from epd_bench.load import PHOTOS
+    from epd_bench.photos import photo_variant
+
+    raw = photo_variant(PHOTOS[serial % len(PHOTOS)], serial)
+    image = Image.open(io.BytesIO(raw)).convert("RGB").resize((width, height))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _median(values: list[float], what: str) -> float:
+    if not values:
+        raise RuntimeError(f"the traces have no {what}: is tracing on in every server?")
+    return statistics.median(values)
+
+
+async def _send_all(url: str, requests: list[tuple[tuple[int, int], bytes | None]]) -> list:
+    """Each request alone (concurrency 1); returns (size, start_ns, end_ns) per request."""
+    from tritonclient.grpc.aio import InferenceServerClient
+
+    from epd_bench.load import LoadRequest, stream_request
+
+    sampling = {"max_tokens": 4, "temperature": 0}
+    windows = []
+    async with InferenceServerClient(url) as client:
+        for i, (size, image) in enumerate(requests):
+            request = LoadRequest(
+                "image" if image else "text", f"Describe #{i}.", (image,) if image else ()
+            )
+            start = time.time_ns()
+            sample = await stream_request(client, "epd", request, sampling, 120)
+            if sample.error:
+                raise RuntimeError(f"profiling request failed: {sample.error}")
+            windows.append((size, start, time.time_ns()))
+    return windows
+
+
+def measure_deployment(
+    model: Path, machine: Machine, sweep: Sweep, timeout_s: float, command: str
+) -> tuple[EncodeProfile, HopsProfile]:
+    from epd_bench.quick import embedded
+    from orchestrator.families import family_for
+    from orchestrator.tracing import read_spans
+    from orchestrator.transfer.base import pool_bytes_for
+
+    topology: Topology = default_topology(model, "E/P/D")
+    family = family_for(model)
+    requests: list[tuple[tuple[int, int], bytes | None]] = [((0, 0), None)] * 2  # warm-up
+    serial = 0
+    for size in sweep.sizes:
+        for _ in range(sweep.images_per_size):
+            requests.append((size, _photo(*size, serial)))
+            serial += 1
+    requests += [((0, 0), None)] * sweep.images_per_size
+    with embedded(topology, timeout_s, traces=True) as running:
+        url = running.server_of("epd")[1].grpc_url
+        windows = asyncio.run(_send_all(url, requests))
+        time.sleep(1.0)  # the last spans are written when their servers end them
+        spans = read_spans(running.tracing.directory)
+    by_trace: dict[str, dict[str, float]] = {}
+    roots: dict[str, int] = {}
+    for s in spans:
+        by_trace.setdefault(s["trace_id"], {})[s["name"]] = (s["end_ns"] - s["start_ns"]) / 1e9
+        if s["name"] == "epd" and s["parent_id"] is None:
+            roots[s["trace_id"]] = s["start_ns"]
+    encode_samples, encode_hop, llm_hop, kv, relay = [], [], [], [], []
+    for size, start, end in windows[2:]:
+        trace = next((by_trace[t] for t, begun in roots.items() if start <= begun <= end), None)
+        if trace is None:
+            continue
+        if "encode" in trace:
+            encode_samples.append(
+                EncodeSample(width=size[0], height=size[1], images=1, latency_s=trace["encode"])
+            )
+            encode_hop.append(trace["call encode"] - trace["encode"])
+        llm_hop.append(trace["call prefill"] - trace["prefill"])
+        kv.append(trace["call decode"] - trace["decode"] + trace.get("first_token", 0.0))
+        relay.append(
+            trace["epd"]
+            - trace.get("call encode", 0.0)
+            - trace["call prefill"]
+            - trace["call decode"]
+        )
+    coefficients = fit(
+        [[1.0, s.width * s.height / 1e6] for s in encode_samples],
+        [s.latency_s for s in encode_samples],
+    )
+    largest = family.max_image_tokens()
+    settings = getattr(family, "image_settings", None)
+    unit = getattr(settings, "factor", None) or 28
+    meta = {"model": model.name, "machine": machine, "measured_at": now(), "command": command}
+    encode = EncodeProfile(
+        **meta,
+        base_s=0.0,
+        image_s=coefficients[0],
+        mpix_s=coefficients[1],
+        instances=topology.servers["encoder"].instances.get("vision_encoder", 1),
+        cache_entries=pool_bytes_for(topology.transfer.pool_bytes, family.max_image_bytes())
+        // family.max_image_bytes(),
+        token_unit_px=unit,
+        max_image_tokens=largest,
+        samples=encode_samples,
+    )
+    hops = HopsProfile(
+        **meta,
+        encode_call_s=_median(encode_hop, "encode calls"),
+        llm_call_s=_median(llm_hop, "prefill calls"),
+        kv_transfer_s=_median(kv, "decode calls"),
+        token_relay_s=max(0.0, _median(relay, "epd requests")),
+    )
+    return encode, hops
+
+
+async def _engine_samples(model: Path, sweep: Sweep):
+    import random
+
+    from vllm import SamplingParams
+
+    from orchestrator.llm import LLMEngine, engine_args, engine_env
+    from orchestrator.model.checkpoint import Checkpoint
+
+    topology = default_topology(model, "E+PD")
+    server, _ = topology.server_of("aggregated")
+    args = engine_args(topology, server, "aggregated")
+    engine = LLMEngine(args, engine_env(topology, server, "aggregated"))
+    # Plain text ids: above the low ids where small vocabularies keep their special tokens.
+    vocab = int(Checkpoint.open(model).text_config["vocab_size"])
+    low = min(vocab // 4, 1000)
+    rng = random.Random(0)
+    serial = 0
+
+    async def one(tokens: int, max_tokens: int) -> list[float]:
+        nonlocal serial
+        serial += 1
+        prompt = {"prompt_token_ids": [rng.randrange(low, vocab) for _ in range(tokens)]}
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+        times = []
+        async for _ in engine.generate(prompt, sampling):
+            times.append(time.perf_counter())
+        return times
+
+    try:
+        await one(16, 2)  # warm-up
+        prefill, decode = [], []
+        for tokens in sweep.prompt_tokens:
+            for batch in sweep.prefill_batches:
+                for _ in range(sweep.repeats):
+                    start = time.perf_counter()
+                    ends = await asyncio.gather(*(one(tokens, 1) for _ in range(batch)))
+                    latency = max(t[0] for t in ends) - start
+                    prefill.append(
+                        PrefillSample(prompt_tokens=tokens, batch=batch, latency_s=latency)
+                    )
+        for context in sweep.decode_contexts:
+            for batch in sweep.decode_batches:
+                for _ in range(sweep.repeats):
+                    runs = await asyncio.gather(
+                        *(one(context, sweep.decode_tokens) for _ in range(batch))
+                    )
+                    # steps in which every sequence of the batch was decoding
+                    first = max(t[1] for t in runs)
+                    last = min(t[-1] for t in runs)
+                    steps = min(sum(1 for x in t if first <= x <= last) for t in runs) - 1
+                    if steps > 0:
+                        decode.append(
+                            DecodeSample(
+                                batch=batch, context_tokens=context, itl_s=(last - first) / steps
+                            )
+                        )
+        budget = int(args.get("max_num_batched_tokens") or max(8192, args["max_model_len"]))
+        return prefill, decode, int(args.get("max_num_seqs", 256)), budget
+    finally:
+        engine.shutdown()
+
+
+def measure_engine(
+    model: Path, machine: Machine, sweep: Sweep, command: str
+) -> tuple[PrefillProfile, DecodeProfile]:
+    prefill, decode, max_seqs, budget = asyncio.run(_engine_samples(model, sweep))
+    meta = {"model": model.name, "machine": machine, "measured_at": now(), "command": command}
+    p = fit([[1.0, s.prompt_tokens * s.batch] for s in prefill], [s.latency_s for s in prefill])
+    d = fit(
+        [[1.0, s.batch, s.batch * s.context_tokens / 1000] for s in decode],
+        [s.itl_s for s in decode],
+    )
+    return (
+        PrefillProfile(
+            **meta,
+            base_s=p[0],
+            per_token_s=p[1],
+            budget_tokens=budget,
+            max_seqs=max_seqs,
+            samples=prefill,
+        ),
+        DecodeProfile(
+            **meta, base_s=d[0], per_seq_s=d[1], per_kctx_s=d[2], max_seqs=max_seqs, samples=decode
+        ),
+    )

@@ -1,0 +1,208 @@
+"""The planner: inputs refused with a message, a search that meets the SLO at the lowest
+count, the latency floor recognised, and the topology it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epd_plan import planner
+from epd_plan.cli import parse_fleet
+from epd_plan.profile import (
+    DecodeProfile,
+    EncodeProfile,
+    HopsProfile,
+    Machine,
+    PrefillProfile,
+    Profiles,
+    read,
+    write,
+)
+from epd_plan.simulate import Fleet, StageCount, simulate
+from epd_plan.workload import PlanInputError, Slo, Workload, parse
+from orchestrator.cli import main as epd
+from orchestrator.config import Topology
+
+CPU = Machine(name="cpu", cost_per_hour=1.0)
+GPU = Machine(name="gpu", cost_per_hour=2.5)
+
+
+def stage_profiles(machine: Machine, speed: float = 1.0) -> list:
+    """A GPU-ish engine and encoder, ``speed`` times faster on faster hardware."""
+    common = {"model": "m", "machine": machine}
+    return [
+        EncodeProfile(
+            **common,
+            base_s=0.002 / speed,
+            image_s=0.02 / speed,
+            mpix_s=0.01 / speed,
+            cache_entries=64,
+            max_image_tokens=1024,
+        ),
+        PrefillProfile(
+            **common,
+            base_s=0.004 / speed,
+            per_token_s=2e-5 / speed,
+            budget_tokens=2048,
+            max_seqs=64,
+        ),
+        DecodeProfile(
+            **common, base_s=0.006 / speed, per_seq_s=1e-4 / speed, per_kctx_s=0, max_seqs=64
+        ),
+    ]
+
+
+def profiles(*machines: tuple[Machine, float]) -> Profiles:
+    hops = HopsProfile(
+        model="m",
+        machine=CPU,
+        encode_call_s=0.002,
+        llm_call_s=0.002,
+        kv_transfer_s=0.004,
+        token_relay_s=0.001,
+    )
+    return Profiles([hops, *(p for m, s in machines for p in stage_profiles(m, s))])
+
+
+WORKLOAD = Workload(
+    rate_rps=40, image_share=0.5, prompt_tokens=100, output_tokens=32, duration_s=60, warmup_s=5
+)
+
+
+@pytest.mark.parametrize(
+    "text,fix",
+    [
+        ("rate_rps: 0", "rate_rps"),
+        ("rate_rps: 5\nimage_share: 1.5", "image_share"),
+        ("rate_rps: 5\nresolutions: {'448': 1}", "WIDTHxHEIGHT"),
+        ("rate_rps: 5\nresolutions: {'448x448': 0}", "weights must be > 0"),
+        ("rate_rps: 5\nduration_s: 10\nwarmup_s: 20", "warmup_s"),
+        ("rate_rps: 5\nprompt_token: 3", "prompt_token"),
+        ("[1, 2]", "expected a mapping"),
+    ],
+)
+def test_bad_workloads_are_refused_with_what_to_fix(text: str, fix: str) -> None:
+    with pytest.raises(PlanInputError, match=fix):
+        parse(text, Workload, "w.yaml")
+
+
+def test_bad_slo_is_refused() -> None:
+    with pytest.raises(PlanInputError, match="ttft_p90_s"):
+        parse("ttft_p90_s: -1\ntpot_p90_s: 0.1", Slo, "slo.yaml")
+
+
+def test_published_profile_needs_a_reference(tmp_path: Path) -> None:
+    profile = stage_profiles(GPU)[0].model_copy(update={"source": "published"})
+    with pytest.raises(PlanInputError, match="reference"):
+        read(write(profile, tmp_path))
+    cited = profile.model_copy(update={"reference": "vendor datasheet, table 3"})
+    assert read(write(cited, tmp_path)) == cited
+
+
+def test_search_meets_the_slo_with_no_replica_to_spare() -> None:
+    slo = Slo(ttft_p90_s=0.25, tpot_p90_s=0.05)
+    p = profiles((CPU, 1.0))
+    result = planner.plan_layout(p, WORKLOAD, slo, "E/P/D")
+    assert result.fleet is not None, result.why_not
+    assert result.prediction.meets(slo.ttft_p90_s, slo.tpot_p90_s)
+    for stage, count in result.fleet.stages.items():
+        if count.replicas > 1:  # one fewer of any stage misses the SLO
+            fewer = simulate(result.fleet.with_replicas(stage, count.replicas - 1), p, WORKLOAD)
+            assert not fewer.meets(slo.ttft_p90_s, slo.tpot_p90_s), stage
+
+
+def test_cheapest_hardware_per_stage_is_chosen() -> None:
+    """The fast hardware costs 2.5x: 2x faster, the CPU fleet wins; 5x faster, the GPU one
+    does (the load needs about three CPU replicas per stage)."""
+    slo = Slo(ttft_p90_s=0.5, tpot_p90_s=0.05)
+    heavy = WORKLOAD.model_copy(update={"rate_rps": 200})
+    slow = planner.plan_layout(profiles((CPU, 1.0), (GPU, 2.0)), heavy, slo, "E+PD")
+    fast = planner.plan_layout(profiles((CPU, 1.0), (GPU, 5.0)), heavy, slo, "E+PD")
+    assert {c.machine for c in slow.fleet.stages.values()} == {"cpu"}
+    assert "gpu" in {c.machine for c in fast.fleet.stages.values()}
+    assert fast.cost <= slow.cost
+
+
+def test_latency_floor_is_reported_not_searched() -> None:
+    """No replica count brings TTFT under the hops themselves."""
+    result = planner.plan_layout(
+        profiles((CPU, 1.0)), WORKLOAD, Slo(ttft_p90_s=0.001, tpot_p90_s=1), "E/P/D"
+    )
+    assert result.fleet is None
+    assert "latency floor" in result.why_not
+    assert result.tried < 5
+
+
+def test_topology_of_a_fleet_is_valid(tmp_path: Path) -> None:
+    fleet = Fleet(
+        "E/P/D",
+        {
+            "encode": StageCount("cpu", 2),
+            "prefill": StageCount("cpu", 1),
+            "decode": StageCount("cpu", 3),
+        },
+    )
+    topology = planner.topology_for(fleet, tmp_path)
+    assert isinstance(topology, Topology)
+    assert len(topology.servers_of("encode")) == 2
+    assert len(topology.servers_of("decode")) == 3
+    assert topology.server_of("epd")[1].openai_port == 9000
+    assert planner.replica_counts(fleet) == {"epd-encoder": 2, "epd-prefill": 1, "epd-decode": 3}
+
+
+def test_fleet_arguments_are_checked() -> None:
+    assert parse_fleet("E+PD encode=2 pd=3@gpu") == (
+        "E+PD",
+        {"encode": (2, None), "pd": (3, "gpu")},
+    )
+    with pytest.raises(PlanInputError, match="layout"):
+        parse_fleet("EPD encode=1")
+    with pytest.raises(PlanInputError, match="stage=REPLICAS"):
+        parse_fleet("E+PD encode=two")
+    with pytest.raises(PlanInputError, match="stages"):
+        Fleet("E+PD", {"encode": StageCount("cpu", 1)})
+
+
+def test_cli_plans_and_writes_a_topology(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "profiles"
+    for profile in profiles((CPU, 1.0)).by_key.values():
+        write(profile, folder)
+    (tmp_path / "w.yaml").write_text("rate_rps: 20\nduration_s: 30\nwarmup_s: 3\n")
+    (tmp_path / "slo.yaml").write_text("ttft_p90_s: 0.3\ntpot_p90_s: 0.05\n")
+    out = tmp_path / "topology.yaml"
+    code = epd(
+        [
+            "plan",
+            "--profiles",
+            str(folder),
+            "--workload",
+            str(tmp_path / "w.yaml"),
+            "--slo",
+            str(tmp_path / "slo.yaml"),
+            "--model",
+            str(tmp_path),
+            "--topology-out",
+            str(out),
+            "--out",
+            str(tmp_path / "plan.json"),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "recommended:" in printed
+    assert Topology.load(out).servers
+    (tmp_path / "bad.yaml").write_text("rate_rps: -3\n")
+    code = epd(
+        [
+            "plan",
+            "--profiles",
+            str(folder),
+            "--workload",
+            str(tmp_path / "bad.yaml"),
+            "--slo",
+            str(tmp_path / "slo.yaml"),
+        ]
+    )
+    assert code == 2
+    assert "rate_rps" in capsys.readouterr().err

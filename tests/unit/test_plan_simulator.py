@@ -1,0 +1,145 @@
+"""The fleet simulator against closed-form queueing results (fixed seeds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from epd_plan.profile import (
+    DecodeProfile,
+    EncodeProfile,
+    HopsProfile,
+    Machine,
+    PrefillProfile,
+    Profiles,
+)
+from epd_plan.simulate import Fleet, StageCount, simulate
+from epd_plan.workload import Workload
+
+MACHINE = Machine(name="m")
+
+
+def profiles(
+    encode_s: float = 0.0, instances: int = 1, per_seq_s: float = 0.0, cache: int = 0
+) -> Profiles:
+    """A stage whose cost is exactly what a queueing model assumes, everything else free."""
+    common = {"model": "m", "machine": MACHINE}
+    return Profiles(
+        [
+            EncodeProfile(
+                **common,
+                base_s=encode_s,
+                image_s=0,
+                mpix_s=0,
+                instances=instances,
+                cache_entries=cache,
+            ),
+            PrefillProfile(**common, base_s=0, per_token_s=0, budget_tokens=8192, max_seqs=4096),
+            DecodeProfile(**common, base_s=0, per_seq_s=per_seq_s, per_kctx_s=0, max_seqs=4096),
+            HopsProfile(**common, encode_call_s=0, llm_call_s=0, kv_transfer_s=0, token_relay_s=0),
+        ]
+    )
+
+
+def e_pd(encoders: int = 1) -> Fleet:
+    return Fleet("E+PD", {"encode": StageCount("m", encoders), "pd": StageCount("m", 1)})
+
+
+def erlang_c_wait(lam: float, mu: float, c: int) -> float:
+    """Mean wait in queue of an M/M/c queue."""
+    a = lam / mu
+    rho = a / c
+    top = a**c / math.factorial(c) / (1 - rho)
+    p_wait = top / (sum(a**k / math.factorial(k) for k in range(c)) + top)
+    return p_wait / (c * mu - lam)
+
+
+def images_only(rate: float, **kw) -> Workload:
+    return Workload(
+        rate_rps=rate,
+        image_share=1.0,
+        prompt_tokens=1,
+        output_tokens=1,
+        duration_s=40_000 / rate,
+        warmup_s=2_000 / rate,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_mm1_encoder_wait(rho: float) -> None:
+    mean_s = 0.01
+    p = simulate(
+        e_pd(),
+        profiles(encode_s=mean_s),
+        images_only(rho / mean_s, seed=1),
+        exponential_encode=True,
+    )
+    expected = erlang_c_wait(rho / mean_s, 1 / mean_s, 1)  # = rho / (mu - lambda)
+    assert p.encode_wait_s.mean == pytest.approx(expected, rel=0.05)
+    assert p.utilization["encode"] == pytest.approx(rho, rel=0.03)
+
+
+@pytest.mark.parametrize("servers,instances", [(4, 1), (2, 3)])
+def test_mmc_encoder_wait(servers: int, instances: int) -> None:
+    """c = replicas x instances servers behind one queue."""
+    c = servers * instances
+    mean_s, rho = 0.02, 0.85
+    lam = rho * c / mean_s
+    p = simulate(
+        e_pd(servers),
+        profiles(encode_s=mean_s, instances=instances),
+        images_only(lam, seed=2),
+        exponential_encode=True,
+    )
+    assert p.encode_wait_s.mean == pytest.approx(erlang_c_wait(lam, 1 / mean_s, c), rel=0.06)
+
+
+def test_md1_encoder_wait() -> None:
+    """Deterministic service: Pollaczek-Khinchine, half the M/M/1 wait."""
+    mean_s, rho = 0.01, 0.7
+    p = simulate(e_pd(), profiles(encode_s=mean_s), images_only(rho / mean_s, seed=3))
+    assert p.encode_wait_s.mean == pytest.approx(rho * mean_s / (2 * (1 - rho)), rel=0.05)
+
+
+def test_decode_is_processor_sharing() -> None:
+    """Steps of ``per_seq_s x running`` share one token rate among the running sequences:
+    with geometric lengths, an M/M/1-PS queue (mean sojourn S / (1 - rho))."""
+    per_seq_s, mean_out, rho = 0.001, 200, 0.6
+    service = (mean_out - 1) * per_seq_s
+    lam = rho / service
+    workload = Workload(
+        rate_rps=lam,
+        image_share=0.0,
+        prompt_tokens=1,
+        output_tokens=mean_out,
+        output_distribution="geometric",
+        duration_s=30_000 / lam,
+        warmup_s=1_000 / lam,
+        seed=4,
+    )
+    p = simulate(e_pd(), profiles(per_seq_s=per_seq_s), workload)
+    assert p.latency_s.mean == pytest.approx(service / (1 - rho), rel=0.06)
+
+
+def test_cache_answers_repeated_images() -> None:
+    """Images from a pool no larger than the cache are encoded once each."""
+    workload = images_only(50.0, image_pool=20, seed=5)
+    p = simulate(e_pd(2), profiles(encode_s=0.001, cache=10), workload)
+    assert p.cache_hit_rate == pytest.approx(1.0, abs=0.01)
+    p = simulate(e_pd(2), profiles(encode_s=0.001, cache=0), workload)
+    assert p.cache_hit_rate == 0.0
+
+
+def test_overload_is_reported_unstable() -> None:
+    p = simulate(e_pd(), profiles(encode_s=0.01), images_only(150.0), max_inflight=1000)
+    assert not p.stable
+    assert not p.meets(10.0, 10.0)
+
+
+def test_same_seed_same_answer() -> None:
+    w = images_only(60.0, seed=9)
+    a = simulate(e_pd(), profiles(encode_s=0.01), w, exponential_encode=True)
+    b = simulate(e_pd(), profiles(encode_s=0.01), w, exponential_encode=True)
+    assert a.encode_wait_s == b.encode_wait_s
