@@ -29,17 +29,50 @@ def cmd_profile(args: argparse.Namespace) -> int:
     command = "epd plan profile " + " ".join(sys.argv[3:])
     out = Path(args.out)
     print(f"profiling {model} on {machine.name} ({machine.cpu}, {machine.cores} cores)")
-    encode, hops = measure.measure_deployment(model, machine, sweep, args.timeout, command)
     prefill, decode = measure.measure_engine(model, machine, sweep, command)
+    encode, hops = measure.measure_deployment(model, machine, sweep, args.timeout, command, decode)
     for p in (encode, hops, prefill, decode):
         print(f"wrote {profile.write(p, out)}")
     print(
         f"encode: {encode.image_s * 1e3:.2f} ms/image + {encode.mpix_s * 1e3:.2f} ms/MP; "
-        f"prefill step: {prefill.base_s * 1e3:.2f} ms + {prefill.per_token_s * 1e6:.1f} us/token; "
+        f"prefill step: {prefill.base_s * 1e3:.2f} ms + {prefill.per_request_s * 1e3:.2f} "
+        f"ms/request + {prefill.per_token_s * 1e6:.1f} us/token; "
         f"decode step: {decode.base_s * 1e3:.2f} ms + {decode.per_seq_s * 1e3:.3f} ms/seq; "
         f"hops: encode {hops.encode_call_s * 1e3:.1f}, llm {hops.llm_call_s * 1e3:.1f}, "
-        f"kv {hops.kv_transfer_s * 1e3:.1f}, relay {hops.token_relay_s * 1e3:.1f} ms"
+        f"kv {hops.kv_transfer_s * 1e3:.1f}, relay {hops.token_relay_s * 1e3:.1f}, pull "
+        f"{hops.embedding_pull_s * 1e3:.1f}/image, step {hops.step_overhead_s * 1e3:.2f} ms"
     )
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from epd_plan import validate
+    from epd_plan.profile import Profiles
+    from epd_plan.workload import PlanInputError
+    from orchestrator.cli import topology_of
+
+    try:
+        profiles = Profiles.load(Path(args.profiles))
+    except PlanInputError as exc:
+        print(f"epd plan validate: {exc}", file=sys.stderr)
+        return 2
+    rates = {}
+    for item in args.rate or ["image-heavy=6", "text-heavy=12", "repeated=10"]:
+        scenario, _, rate = item.partition("=")
+        if scenario not in validate.SCENARIOS:
+            print(f"epd plan validate: unknown workload {scenario!r}; known: "
+                  f"{', '.join(validate.SCENARIOS)}", file=sys.stderr)  # fmt: skip
+            return 2
+        rates[scenario] = float(rate)
+    model = topology_of(argparse.Namespace(topology=None, model=args.model)).model
+    comparisons = validate.run(model, profiles, rates, args.requests, args.timeout)
+    print(validate.table(comparisons))
+    command = "epd plan validate " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(validate.report(comparisons, command), indent=1, default=str) + "\n"
+    )
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -187,3 +220,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--quick", action="store_true", help="fewer samples (for tests)")
     prof.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
     prof.set_defaults(func=cmd_profile)
+    check = steps.add_parser(
+        "validate", help="the simulator's predictions against real runs of the same workloads"
+    )
+    check.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile folder")
+    check.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    check.add_argument(
+        "--rate", action="append", help="WORKLOAD=REQ_PER_S (image-heavy, text-heavy, repeated)"
+    )
+    check.add_argument("--requests", type=int, default=200, help="requests per workload")
+    check.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
+    check.add_argument("--out", default=".cache/plan/validate.json", help="JSON report path")
+    check.set_defaults(func=cmd_validate)

@@ -16,14 +16,15 @@ those arrays from the planner's dataclasses and reads the results back. The mode
   replica runs steps like vLLM's scheduler. A step decodes one token for every running
   sequence and prefills waiting prompts first come first served within a token budget
   (chunked prefill); it lasts ``base + per_token * prefill tokens + per_seq * running +
-  per_kctx * running context / 1000`` seconds, plus any per-request extra work (the vision
-  tower inside an ``aggregated`` engine) on the step that starts that request's prefill.
+  per_kctx * running context / 1000`` seconds, plus what a step carrying prefill costs
+  beyond a decode-only one, plus each request's own fixed cost (and the vision tower inside
+  an ``aggregated`` engine, per image) on the step that starts its prefill.
   A request joins the replica with the fewest requests (running and waiting), as the
   front's router does.
 - A decode engine (E/P/D) takes the prompt's KV from prefill and makes every output token
   itself, the first one included, as vLLM's disaggregated prefill does.
-- Fixed delays between hops: the stage calls' overhead measured by the traces, and the KV
-  transfer from prefill to decode.
+- Fixed delays between hops: the stage calls' overhead measured by the traces, pulling each
+  image's embeddings, and the KV transfer from prefill to decode.
 
 Times and sizes are float64 seconds and int64 counts; results are histograms.
 """
@@ -56,7 +57,10 @@ P_PER_SEQ = 6
 P_PER_KCTX = 7
 P_ENTER_DELAY = 8  # from the previous stage's end to joining this pool
 P_EXTRA_PER_IMAGE = 9  # engine time per image on the step its prefill starts
-P_COLUMNS = 10
+P_PER_REQUEST = 10  # engine time per request on the step its prefill starts
+P_PULL_PER_IMAGE = 11  # per image, before joining: pulling its embeddings
+P_PREFILL_STEP = 12  # what a step carrying prefill tokens costs beyond a decode-only step
+P_COLUMNS = 13
 
 # Result histograms: log-spaced bins from 1 us to ~1e4 s.
 HIST_BINS = 2400
@@ -392,7 +396,8 @@ def run(
                 _push(ev_t, ev_v, ev_n, t + r_service[q], ENCODE_DONE, q, b)
             else:
                 enc_idle += 1
-            _push(ev_t, ev_v, ev_n, t + pools[0, P_ENTER_DELAY], ENTER_POOL, a, 0)
+            delay = pools[0, P_ENTER_DELAY] + pools[0, P_PULL_PER_IMAGE] * r_images[a]
+            _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, a, 0)
         elif kind == ENTER_POOL:
             r = a
             p = b
@@ -587,7 +592,7 @@ def _plan_step(
     while r >= 0 and seats > 0 and budget > 0:
         if not r_started[r]:
             r_started[r] = True
-            extra += pools[p, P_EXTRA_PER_IMAGE] * r_images[r]
+            extra += pools[p, P_EXTRA_PER_IMAGE] * r_images[r] + pools[p, P_PER_REQUEST]
         chunk = min(r_left[r], budget)
         r_left[r] -= chunk
         prefill += chunk
@@ -599,6 +604,8 @@ def _plan_step(
         r = r_next[r]
     if running == 0 and done == 0 and prefill == 0:
         return
+    if prefill > 0:
+        extra += pools[p, P_PREFILL_STEP]
     duration = (
         pools[p, P_BASE]
         + pools[p, P_PER_TOKEN] * prefill

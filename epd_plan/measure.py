@@ -2,14 +2,16 @@
 
 Two parts, one after the other so they never share the cores:
 
-1. **The deployment** (E/P/D on free local ports, traces on): images of each size are sent
-   one at a time through ``epd``; the traces give each encode call's own time (the ``encode``
-   span on the encoder) and what every hop adds around the stages (``call X`` minus ``X``,
-   the decode side's first token, what the front adds) -- the encode and hops profiles.
-2. **The engine alone** (one vLLM engine with the deployment's engine arguments, nothing
+1. **The engine alone** (one vLLM engine with the deployment's engine arguments, nothing
    else running): prompts of several lengths in batches, prefilled with one output token,
    and batches of sequences decoding at two context lengths -- the prefill and decode step
    costs, fitted to the samples.
+2. **The deployment** (E/P/D on free local ports, traces on): images of each size and
+   text-only requests are sent one at a time through ``epd``; the traces give each encode
+   call's own time (the ``encode`` span on the encoder) and what every hop adds around the
+   stages (``call X`` minus ``X``, the embedding pull, the decode side's first token, what
+   the front adds), and the gaps between tokens at the client, against the engine's own
+   step, what serving each step through Triton adds -- the encode and hops profiles.
 """
 
 from __future__ import annotations
@@ -83,14 +85,19 @@ def _median(values: list[float], what: str) -> float:
     return statistics.median(values)
 
 
-async def _send_all(url: str, requests: list[tuple[tuple[int, int], bytes | None]]) -> list:
-    """Each request alone (concurrency 1); returns (size, start_ns, end_ns) per request."""
+async def _send_all(
+    url: str, requests: list[tuple[tuple[int, int], bytes | None]]
+) -> tuple[list, list[float]]:
+    """Each request alone (concurrency 1); returns (size, start_ns, end_ns) per request and
+    the gaps between the tokens of the text-only ones."""
+    import itertools
+
     from tritonclient.grpc.aio import InferenceServerClient
 
     from epd_bench.load import LoadRequest, stream_request
 
-    sampling = {"max_tokens": 4, "temperature": 0}
-    windows = []
+    sampling = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    windows, gaps = [], []
     async with InferenceServerClient(url) as client:
         for i, (size, image) in enumerate(requests):
             request = LoadRequest(
@@ -101,12 +108,21 @@ async def _send_all(url: str, requests: list[tuple[tuple[int, int], bytes | None
             if sample.error:
                 raise RuntimeError(f"profiling request failed: {sample.error}")
             windows.append((size, start, time.time_ns()))
-    return windows
+            if not image:
+                gaps += [b - a for a, b in itertools.pairwise(sample.piece_times)]
+    return windows, gaps
 
 
 def measure_deployment(
-    model: Path, machine: Machine, sweep: Sweep, timeout_s: float, command: str
+    model: Path,
+    machine: Machine,
+    sweep: Sweep,
+    timeout_s: float,
+    command: str,
+    decode: DecodeProfile,
 ) -> tuple[EncodeProfile, HopsProfile]:
+    """The encode and hops profiles; ``decode`` (the engine alone) tells what serving each
+    step through Triton adds."""
     from epd_bench.quick import embedded
     from orchestrator.families import family_for
     from orchestrator.tracing import read_spans
@@ -123,7 +139,7 @@ def measure_deployment(
     requests += [((0, 0), None)] * sweep.images_per_size
     with embedded(topology, timeout_s, traces=True) as running:
         url = running.server_of("epd")[1].grpc_url
-        windows = asyncio.run(_send_all(url, requests))
+        windows, gaps = asyncio.run(_send_all(url, requests))
         time.sleep(1.0)  # the last spans are written when their servers end them
         spans = read_spans(running.tracing.directory)
     by_trace: dict[str, dict[str, float]] = {}
@@ -132,7 +148,7 @@ def measure_deployment(
         by_trace.setdefault(s["trace_id"], {})[s["name"]] = (s["end_ns"] - s["start_ns"]) / 1e9
         if s["name"] == "epd" and s["parent_id"] is None:
             roots[s["trace_id"]] = s["start_ns"]
-    encode_samples, encode_hop, llm_hop, kv, relay = [], [], [], [], []
+    encode_samples, encode_hop, llm_hop, kv, relay, pull = [], [], [], [], [], []
     for size, start, end in windows[2:]:
         trace = next((by_trace[t] for t, begun in roots.items() if start <= begun <= end), None)
         if trace is None:
@@ -142,6 +158,7 @@ def measure_deployment(
                 EncodeSample(width=size[0], height=size[1], images=1, latency_s=trace["encode"])
             )
             encode_hop.append(trace["call encode"] - trace["encode"])
+            pull.append(trace.get("embedding_pull", 0.0))
         llm_hop.append(trace["call prefill"] - trace["prefill"])
         kv.append(trace["call decode"] - trace["decode"] + trace.get("first_token", 0.0))
         relay.append(
@@ -176,6 +193,8 @@ def measure_deployment(
         llm_call_s=_median(llm_hop, "prefill calls"),
         kv_transfer_s=_median(kv, "decode calls"),
         token_relay_s=max(0.0, _median(relay, "epd requests")),
+        embedding_pull_s=_median(pull, "embedding pulls"),
+        step_overhead_s=max(0.0, _median(gaps, "tokens") - decode.base_s - decode.per_seq_s),
     )
     return encode, hops
 
@@ -247,7 +266,10 @@ def measure_engine(
 ) -> tuple[PrefillProfile, DecodeProfile]:
     prefill, decode, max_seqs, budget = asyncio.run(_engine_samples(model, sweep))
     meta = {"model": model.name, "machine": machine, "measured_at": now(), "command": command}
-    p = fit([[1.0, s.prompt_tokens * s.batch] for s in prefill], [s.latency_s for s in prefill])
+    p = fit(
+        [[1.0, s.batch, s.prompt_tokens * s.batch] for s in prefill],
+        [s.latency_s for s in prefill],
+    )
     d = fit(
         [[1.0, s.batch, s.batch * s.context_tokens / 1000] for s in decode],
         [s.itl_s for s in decode],
@@ -256,7 +278,8 @@ def measure_engine(
         PrefillProfile(
             **meta,
             base_s=p[0],
-            per_token_s=p[1],
+            per_request_s=p[1],
+            per_token_s=p[2],
             budget_tokens=budget,
             max_seqs=max_seqs,
             samples=prefill,

@@ -7,8 +7,9 @@ the linear model fitted to them, so a reader can check the fit:
 
 - ``encode``: seconds per encode call = ``base_s`` + per image not in the cache
   (``image_s`` + ``mpix_s`` x megapixels); ``instances`` passes run in parallel.
-- ``prefill``: an engine step that prefills ``n`` tokens lasts ``base_s + per_token_s * n``
-  (token budget ``budget_tokens`` per step, as vLLM's ``max_num_batched_tokens``).
+- ``prefill``: an engine step that prefills ``n`` tokens of ``r`` new requests lasts
+  ``base_s + per_request_s * r + per_token_s * n`` (token budget ``budget_tokens`` per step,
+  as vLLM's ``max_num_batched_tokens``).
 - ``decode``: a step with ``b`` running sequences of total context ``c`` tokens lasts
   ``base_s + per_seq_s * b + per_kctx_s * c / 1000``.
 - ``hops``: what the deployment adds around the stages (stage calls, KV transfer, relaying
@@ -137,6 +138,8 @@ class PrefillSample(_Spec):
 class PrefillProfile(_Profile):
     stage: Literal["prefill"] = "prefill"
     base_s: float = Field(ge=0)
+    per_request_s: float = Field(default=0, ge=0)
+    """A new request's own cost (input processing, its first output), once."""
     per_token_s: float = Field(ge=0)
     budget_tokens: int = Field(ge=1)
     max_seqs: int = Field(ge=1)
@@ -168,8 +171,11 @@ class HopsProfile(_Profile):
     """From the end of prefill to the request joining a decode engine (E/P/D)."""
     token_relay_s: float = Field(ge=0)
     """From a token leaving the engine to reaching the client."""
-    tower_image_s: float = Field(default=0, ge=0)
-    """The vision tower's time per image inside an ``aggregated`` engine."""
+    embedding_pull_s: float = Field(default=0, ge=0)
+    """Pulling one image's embeddings from its encoder, before the engine gets the prompt."""
+    step_overhead_s: float = Field(default=0, ge=0)
+    """What serving a step's outputs through Triton adds to each engine step (the time per
+    output token in the deployment minus the engine's own, at one sequence)."""
 
 
 Profile = Annotated[

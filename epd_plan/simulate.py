@@ -153,9 +153,13 @@ def _engine_row(
     if stage == "prefill":
         row[kernel.P_BASE] = prefill.base_s
     elif stage == "decode":
-        row[kernel.P_BASE] = decode.base_s
-    else:
-        row[kernel.P_BASE] = max(prefill.base_s, decode.base_s)
+        row[kernel.P_BASE] = decode.base_s + hops.step_overhead_s
+    else:  # one engine: every step decodes, some also prefill
+        row[kernel.P_BASE] = decode.base_s + hops.step_overhead_s
+        row[kernel.P_PREFILL_STEP] = max(0.0, prefill.base_s - decode.base_s)
+    if stage in ("pd", "prefill"):  # fed by handles: the engine pulls the embeddings first
+        row[kernel.P_PULL_PER_IMAGE] = hops.embedding_pull_s
+    row[kernel.P_PER_REQUEST] = prefill.per_request_s
     row[kernel.P_PER_TOKEN] = prefill.per_token_s
     row[kernel.P_PER_SEQ] = decode.per_seq_s
     row[kernel.P_PER_KCTX] = decode.per_kctx_s
