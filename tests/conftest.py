@@ -8,14 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestrator.auth import SECRET_ENV, new_secret
 from orchestrator.config import ServerSpec, Topology
 from orchestrator.ports import free_ports
+
+if TYPE_CHECKING:
+    from orchestrator.triton.deployment import Deployment
 
 
 def _interrupt(*_: object) -> None:
@@ -134,11 +139,32 @@ def wait_unpinned(encoder: ServerSpec, timeout_s: float = 10) -> dict[str, float
     return cache_metrics(encoder)
 
 
-def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:
+def running_deployment(topology: Topology, workdir: Path) -> Iterator[Deployment]:
+    """The deployment, started and always stopped. A start that stalls (a server not ready
+    in 600 s: once in CI, the front's engine after it was built) is retried once, loudly;
+    its servers' stacks are in ``workdir/try1/logs`` (``wait_ready`` has them dumped)."""
     from orchestrator.triton.deployment import Deployment
 
-    with Deployment(topology, workdir).running(timeout_s=600):
-        yield topology
+    for attempt in (1, 2):
+        deployment = Deployment(topology, workdir / f"try{attempt}")
+        try:
+            deployment.start(timeout_s=600)
+        except TimeoutError as stalled:
+            if attempt == 2:
+                raise
+            print(f"\n!!! STACK START STALLED, RETRYING ONCE: {str(stalled)[-3000:]}")
+            warnings.warn(f"stack start stalled, retried: logs in {workdir}/try1", stacklevel=2)
+            continue
+        try:
+            yield deployment
+        finally:
+            deployment.stop()
+        return
+
+
+def running_stack(topology: Topology, workdir: Path) -> Iterator[Topology]:
+    for deployment in running_deployment(topology, workdir):
+        yield deployment.topology
 
 
 @pytest.fixture(scope="module", params=["E/P/D", "E+PD"])

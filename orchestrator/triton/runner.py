@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import faulthandler
 import json
 import locale
+import signal
 import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,6 +77,13 @@ WATCH_PERIOD_S = 0.1
 """How often in-flight requests are checked for client cancellation and their deadline."""
 
 
+def dump_stacks_on_signal() -> None:
+    """Every python model of ours calls this at start: on SIGUSR1 (what the server's
+    ``dump_stacks`` sends when a start stalls) the stub writes all its threads' stacks to
+    stderr, the server log, instead of dying of the signal."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 class DecoupledModelRunner:
     """Serves a decoupled Triton model from an async handler on a private event loop.
 
@@ -96,6 +105,7 @@ class DecoupledModelRunner:
         # The stub embeds Python in an isolated config whose preferred encoding is ASCII;
         # torch/vLLM read UTF-8 templates at import and die without this.
         locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        dump_stacks_on_signal()
         self._pb = pb_utils
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -115,6 +125,7 @@ class DecoupledModelRunner:
             make_handler(ctx), self._loop
         ).result(start_timeout_s)
         self.stopped = {"cancelled": 0, "deadline": 0}
+        self.in_flight = 0
         self._metrics = asyncio.run_coroutine_threadsafe(self._publish(ctx), self._loop).result(30)
 
     async def _publish(self, ctx: ModelContext) -> Any:
@@ -128,6 +139,12 @@ class DecoupledModelRunner:
                 lambda r=reason: self.stopped[r],
                 reason=reason,
             )
+        metrics.gauge(
+            "epd_requests_in_flight",
+            "Requests this model is working on (health probes aside): its queue depth, what "
+            "an autoscaler reads",
+            lambda: self.in_flight,
+        )
         metrics.start()
         return metrics
 
@@ -174,6 +191,7 @@ class DecoupledModelRunner:
         task = asyncio.current_task()
         assert task is not None
         self._live[task] = (ctx, sender)
+        self.in_flight += not probe
         if self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
         try:
@@ -201,6 +219,7 @@ class DecoupledModelRunner:
             self._send_error(sender, exc, ctx)
         finally:
             del self._live[task]
+            self.in_flight -= not probe
             span.end()
 
     async def _check_health(self) -> None:

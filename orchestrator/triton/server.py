@@ -252,7 +252,28 @@ class TritonServer:
             if self.is_ready():
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {timeout_s}s:\n{self.log_tail()}")
+        stubs = self.dump_stacks()
+        raise TimeoutError(
+            f"tritonserver not ready after {timeout_s}s ({stubs} python stubs dumped their "
+            f"threads' stacks into the log):\n{self.log_tail(200)}"
+        )
+
+    def dump_stacks(self) -> int:
+        """Have every python-backend stub of this server write all its threads' stacks to
+        the log (``runner`` registers SIGUSR1 for that): where a stalled start is stuck."""
+        if self._proc is None:
+            return 0
+        stubs = 0
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                pid = int(proc.name)
+                if os.getpgid(pid) != self._proc.pid:
+                    continue
+                if b"python_backend_stub" in (proc / "cmdline").read_bytes():
+                    os.kill(pid, signal.SIGUSR1)
+                    stubs += 1
+        time.sleep(1.0)
+        return stubs
 
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):

@@ -22,7 +22,14 @@ import pytest
 from orchestrator.client import generate, generate_body, sample_photo
 from orchestrator.config import Topology, TransferSpec
 from orchestrator.triton.deployment import Deployment
-from tests.conftest import cache_metrics, encoder_passes, local_topology, scrape, wait_unpinned
+from tests.conftest import (
+    cache_metrics,
+    encoder_passes,
+    local_topology,
+    running_deployment,
+    scrape,
+    wait_unpinned,
+)
 from tests.integration.internal import call_internal
 
 pytestmark = pytest.mark.server
@@ -68,9 +75,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         routing={"health_interval_s": 0.5},
         limits={"request_timeout_s": 30},
     )
-    deployment = Deployment(topology, tmp_path_factory.mktemp("cache"))
-    with deployment.running(timeout_s=600):
-        yield deployment
+    yield from running_deployment(topology, tmp_path_factory.mktemp("cache"))
 
 
 def _front(stack: Deployment) -> str:

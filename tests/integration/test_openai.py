@@ -21,7 +21,7 @@ import pytest
 from epd_bench import openai_peer
 from orchestrator.client import sample_photo
 from orchestrator.triton.deployment import Deployment
-from tests.conftest import EPD_LAYOUT, local_topology, scrape
+from tests.conftest import EPD_LAYOUT, local_topology, running_deployment, scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -70,9 +70,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         openai={"max_concurrent_requests": 1},
         tracing={"directory": workdir / "traces"},
     )
-    deployment = Deployment(topology, workdir)
-    with deployment.running(timeout_s=600):
-        yield deployment
+    yield from running_deployment(topology, workdir)
 
 
 def base_url(stack: Deployment) -> str:

@@ -7,10 +7,12 @@ import triton_python_backend_utils as pb_utils
 
 from orchestrator.encoder.onnx_export import OUTPUT_NAME
 from orchestrator.encoder.runtime import OnnxRuntimeEncoder
+from orchestrator.triton.runner import dump_stacks_on_signal
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        dump_stacks_on_signal()
         params = json.loads(args["model_config"]).get("parameters", {})
         threads = int(params.get("intra_op_threads", {}).get("string_value", "0"))
         model_file = Path(args["model_repository"]) / args["model_version"] / "model.onnx"
