@@ -140,6 +140,12 @@ def publish_engine(metrics: MetricsPublisher, engine: Any, role: str) -> None:
         role=role,
     )
     metrics.gauge(
+        "epd_engine_waiting_requests",
+        "Requests waiting for the engine core to schedule them (its queue)",
+        scheduler("num_waiting_reqs"),
+        role=role,
+    )
+    metrics.gauge(
         "epd_engine_kv_cache_usage",
         "Fraction of the engine's KV cache blocks in use after its latest step",
         scheduler("kv_cache_usage"),

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from orchestrator.protocol import (
     to_tensor,
 )
 from orchestrator.triton.deployment import Deployment
-from tests.conftest import local_topology, scrape
+from tests.conftest import local_topology, running_deployment, scrape
 from tests.integration.internal import CallFailed, call_internal
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -53,13 +54,16 @@ PHOTO = sample_photo("astronaut")
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     topology = local_topology(tiny_model, LAYOUT, routing={"health_interval_s": 0.5})
-    deployment = Deployment(topology, tmp_path_factory.mktemp("lifecycle"))
-    with deployment.running(timeout_s=600):
-        yield deployment
+    yield from running_deployment(topology, tmp_path_factory.mktemp("lifecycle"))
 
 
 def _metric(stack: Deployment, server: str, name: str, **labels: str) -> float:
     return scrape(stack.topology.servers[server], name, **labels)
+
+
+IN_FLIGHT = [("front", "epd"), ("encoder", "encode"), ("decode", "decode")]
+IN_FLIGHT += [(f"prefill{i}", "prefill") for i in (1, 2)]
+"""Each model's ``epd_requests_in_flight`` (the autoscaling signal), by server."""
 
 
 def busy(stack: Deployment) -> dict[str, float]:
@@ -70,6 +74,11 @@ def busy(stack: Deployment) -> dict[str, float]:
             stack, server, "epd_engine_unfinished_requests", role=role
         )
         state[f"{server} kv"] = _metric(stack, server, "epd_engine_kv_cache_usage", role=role)
+        state[f"{server} waiting"] = _metric(
+            stack, server, "epd_engine_waiting_requests", role=role
+        )
+    for server, model in IN_FLIGHT:
+        state[f"{model} in flight"] = _metric(stack, server, "epd_requests_in_flight", model=model)
     state["pinned handles"] = _metric(stack, "encoder", "epd_encoder_cache_pinned_handles")
     return state
 
@@ -173,6 +182,10 @@ def test_cancel_after_first_token_stops_every_stage(stack):
         result, error = stream.next()
         assert error is None and result.as_numpy("text_output").size == 1
         wait_until(lambda: _metric(stack, "decode", "epd_engine_unfinished_requests") == 1, 5)
+        # the autoscaling signals see it: one request in flight at the front and at decode
+        for server, model in (("front", "epd"), ("decode", "decode")):
+            in_flight = partial(_metric, stack, server, "epd_requests_in_flight", model=model)
+            wait_until(lambda f=in_flight: f() == 1, 5)
 
     for _ in range(TRIES):
         decode_before = _stopped(stack, "decode")
@@ -234,6 +247,24 @@ def _decode_request(**overrides) -> dict[str, np.ndarray]:
         **overrides,
     }
     return {"request": np.array([json.dumps(body).encode()], dtype=np.object_)}
+
+
+def test_a_stalled_start_can_be_diagnosed_from_the_log(stack):
+    """What ``wait_ready`` does when a server does not become ready: every python stub
+    (vision_encoder, encode, prefill, decode, epd) writes its threads' stacks to the log on
+    SIGUSR1, and lives on."""
+    for name in ("encoder", "prefill1", "decode", "front"):
+        server = stack.servers[name]
+        size = server.log_path.stat().st_size
+        stubs = server.dump_stacks()
+        assert stubs == len(stack.topology.servers[name].stages) + (name == "encoder")
+        with open(server.log_path, "rb") as log:
+            log.seek(size)
+            dumped = log.read().decode(errors="replace")
+        assert dumped.count("Current thread") + dumped.count("Thread 0x") >= stubs, dumped[-2000:]
+        assert "handlers.py" in dumped or "runner.py" in dumped or "threading.py" in dumped
+        assert server.is_ready()
+    assert generate(_front(stack).http_url, "epd", "hello", [PHOTO], 4)
 
 
 def test_internal_models_refuse_outsiders(stack):
