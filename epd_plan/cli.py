@@ -130,6 +130,35 @@ def _prediction_json(p) -> dict:
     return data
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from epd_plan import scale
+
+    print(
+        f"simulating {args.gpus} GPUs (synthetic profiles: not a measurement) at "
+        f"{args.rate:g} req/s for {args.duration:g} s of arrivals"
+    )
+    run = scale.run(args.gpus, args.rate, args.duration)
+    p = run.prediction
+    fleet = ", ".join(f"{s}={c.replicas}" for s, c in p.fleet.stages.items())
+    print(_row(f"E/P/D {fleet}", p))
+    print(
+        f"simulated {run.duration_s:g} s ({p.events:,} events) in {run.wall_s:.1f} s wall "
+        f"({run.wall_s / p.events * 1e9:.0f} ns/event), compilation excluded"
+    )
+    if args.out:
+        report = {
+            "gpus": run.gpus,
+            "rate_rps": run.rate_rps,
+            "simulated_s": run.duration_s,
+            "wall_s": run.wall_s,
+            "prediction": _prediction_json(p),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")
+    return 0 if p.stable else 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from epd_plan import planner
     from epd_plan.profile import Profiles
@@ -232,3 +261,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
     check.add_argument("--out", default=".cache/plan/validate.json", help="JSON report path")
     check.set_defaults(func=cmd_validate)
+    big = steps.add_parser("scale", help="time the simulator on a large fleet (synthetic profiles)")
+    big.add_argument("--gpus", type=int, default=1000)
+    big.add_argument("--rate", type=float, default=10000, help="requests per second")
+    big.add_argument("--duration", type=float, default=3600, help="simulated seconds")
+    big.add_argument("--out", help="JSON report path")
+    big.set_defaults(func=cmd_scale)

@@ -79,7 +79,7 @@ C_EVENTS = 7
 C_COLUMNS = 8
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _bin(value: float) -> int:
     if value <= HIST_LO:
         return 0
@@ -87,7 +87,7 @@ def _bin(value: float) -> int:
     return min(b, HIST_BINS - 1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _push(ev_t, ev_v, ev_n, t, kind, a, b):
     """Add an event to the queue: a binary min-heap on (time, packed kind/a/b) in arrays,
     sized for the most events that can be pending (one per request and per replica)."""
@@ -106,7 +106,7 @@ def _push(ev_t, ev_v, ev_n, t, kind, a, b):
     ev_v[i] = v
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _pop(ev_t, ev_v, ev_n):
     """The earliest event as (time, kind, a, b)."""
     t0 = ev_t[0]
@@ -135,7 +135,7 @@ def _pop(ev_t, ev_v, ev_n):
     return t0, v0 >> 59, (v0 >> 24) & ((np.int64(1) << 35) - 1), v0 & ((np.int64(1) << 24) - 1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _add_load(heap_key, heap_rep, pos, pool, count, replica, delta, t, seq_s, present, last):
     """Add ``delta`` to a replica's load (its requests, running or waiting) in its pool's
     indexed min-heap (``count`` replicas) and restore the heap order: the root is always the
@@ -165,7 +165,7 @@ def _add_load(heap_key, heap_rep, pos, pool, count, replica, delta, t, seq_s, pr
             i = child
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _swap(heap_key, heap_rep, pos, pool, i, j):
     ki = heap_key[pool, i]
     ri = heap_rep[pool, i]
@@ -177,7 +177,7 @@ def _swap(heap_key, heap_rep, pos, pool, i, j):
     pos[pool, heap_rep[pool, j]] = j
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _run_push(run_key, run_req, run_size, replica, key, req):
     i = run_size[replica]
     run_size[replica] = i + 1
@@ -196,7 +196,7 @@ def _run_push(run_key, run_req, run_size, replica, key, req):
         i = parent
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _run_pop(run_key, run_req, run_size, replica):
     top = run_req[replica, 0]
     n = run_size[replica] - 1
@@ -223,7 +223,7 @@ def _run_pop(run_key, run_req, run_size, replica):
     return top
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def run(
     seed,
     rate,
@@ -320,15 +320,18 @@ def run(
     ev_t = np.zeros(capacity)
     ev_v = np.zeros(capacity, np.int64)
     ev_n = np.zeros(1, np.int64)
-    _push(ev_t, ev_v, ev_n, np.random.exponential(1.0 / rate), ARRIVE, 0, 0)
+    # The next arrival waits beside the heap, not in it: a fifth of all events, each
+    # spared a push and a pop.
+    next_arrival = np.random.exponential(1.0 / rate)
     t = 0.0
-    while ev_n[0] > 0:
-        t, kind, a, b = _pop(ev_t, ev_v, ev_n)
+    while ev_n[0] > 0 or next_arrival < duration_s:
+        if next_arrival < duration_s and (ev_n[0] == 0 or next_arrival <= ev_t[0]):
+            t, kind, a, b = next_arrival, ARRIVE, 0, 0
+            next_arrival = t + np.random.exponential(1.0 / rate)
+        else:
+            t, kind, a, b = _pop(ev_t, ev_v, ev_n)
         counters[C_EVENTS] += 1
         if kind == ARRIVE:
-            if t >= duration_s:
-                continue
-            _push(ev_t, ev_v, ev_n, t + np.random.exponential(1.0 / rate), ARRIVE, a, b)
             if n_free == 0:
                 counters[C_OVERFLOW] = 1
                 break
@@ -544,7 +547,7 @@ def run(
     return hist, sums, counters, enc_busy_s, work_s, seq_s, t
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _finish(r, t, r_arrival, r_first, r_out, warmup_s, hist, sums, counters):
     counters[C_COMPLETED] += 1
     if r_arrival[r] < warmup_s:
@@ -558,7 +561,7 @@ def _finish(r, t, r_arrival, r_first, r_out, warmup_s, hist, sums, counters):
         sums[1] += tpot
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _plan_step(
     t,
     p,

@@ -74,17 +74,19 @@ class _Profile(_Spec):
     model: str
     """The checkpoint profiled (its directory name or hub id)."""
     machine: Machine
-    source: Literal["measured", "published"] = "measured"
+    source: Literal["measured", "published", "synthetic"] = "measured"
+    """``measured`` here by ``epd plan profile``; ``published`` figures for hardware we
+    cannot run; ``synthetic`` round figures for exercising the simulator, never a plan."""
     reference: str | None = None
-    """Where published figures come from (required for ``source: published``)."""
+    """Where published (or synthetic) figures come from; required for both."""
     measured_at: str = ""
     command: str = ""
     """The command that measured it."""
 
     def check(self) -> None:
-        if self.source == "published" and not self.reference:
+        if self.source != "measured" and not self.reference:
             raise PlanInputError(
-                f"{self.stage} profile for {self.machine.name}: published figures need a "
+                f"{self.stage} profile for {self.machine.name}: {self.source} figures need a "
                 "`reference` saying where they come from"
             )
 

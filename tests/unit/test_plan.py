@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_plan import planner
+from epd_plan import planner, scale
 from epd_plan.cli import parse_fleet
 from epd_plan.profile import (
     DecodeProfile,
@@ -92,12 +92,24 @@ def test_bad_slo_is_refused() -> None:
         parse("ttft_p90_s: -1\ntpot_p90_s: 0.1", Slo, "slo.yaml")
 
 
-def test_published_profile_needs_a_reference(tmp_path: Path) -> None:
-    profile = stage_profiles(GPU)[0].model_copy(update={"source": "published"})
-    with pytest.raises(PlanInputError, match="reference"):
+@pytest.mark.parametrize("source", ["published", "synthetic"])
+def test_figures_not_measured_here_need_a_reference(tmp_path: Path, source: str) -> None:
+    profile = stage_profiles(GPU)[0].model_copy(update={"source": source})
+    with pytest.raises(PlanInputError, match=f"{source} figures need a `reference`"):
         read(write(profile, tmp_path))
     cited = profile.model_copy(update={"reference": "vendor datasheet, table 3"})
     assert read(write(cited, tmp_path)) == cited
+
+
+def test_scale_run_is_a_stable_synthetic_fleet_of_the_asked_size(capsys) -> None:
+    assert epd(["plan", "scale", "--gpus", "40", "--rate", "400", "--duration", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic profiles: not a measurement" in out
+    assert "E/P/D encode=2, prefill=30, decode=8" in out
+    run = scale.run(40, 400, 20)
+    assert sum(c.replicas for c in run.prediction.fleet.stages.values()) == 40
+    assert run.prediction.stable and 380 < run.prediction.throughput_rps < 420
+    assert all(p.source == "synthetic" for p in scale.synthetic_profiles().by_key.values())
 
 
 def test_search_meets_the_slo_with_no_replica_to_spare() -> None:
