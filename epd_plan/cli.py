@@ -218,7 +218,11 @@ def _report_plan(result, profiles, args: argparse.Namespace) -> dict:
         print(f"wrote {args.topology_out} (set each server's host to its address)")
     if best.layout == "E/P/D":
         replicas = planner.replica_counts(best.fleet)
-        print("deploy/k8s replicas (kustomization.yaml):")
+        print(
+            "deploy/k8s: replicas per Deployment (kustomization.yaml), and each stage's "
+            "minReplicas (this workload at your base rate) or maxReplicas (at your peak) "
+            "in hpa.yaml:"
+        )
         print(yaml.safe_dump({"replicas": [{"name": n, "count": c} for n, c in replicas.items()]}))
         report["k8s_replicas"] = replicas
     return report

@@ -222,6 +222,11 @@ class RoutingSpec(_Spec):
     encode_attempts: int = Field(default=3, ge=1)
     """Encoders an image is tried on before the request fails (encoders are stateless
     apart from their cache, so a failed encode is retried on another one)."""
+    resolve_interval_s: float = Field(default=30.0, gt=0)
+    """How often the front opens a fresh channel to each stage server, resolving its name
+    again. A name that stands for several pods (a headless Kubernetes Service whose
+    Deployment an autoscaler resizes) gains the new pods within this period; calls are
+    spread over all of them (round robin per call)."""
 
 
 class TracingSpec(_Spec):

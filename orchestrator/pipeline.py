@@ -94,7 +94,7 @@ class EPDPipeline:
             for name, server in topo.servers_of(stage).items():
                 if name not in self._clients:
                     url = server.local_grpc_url if name == ctx.server else server.grpc_url
-                    self._clients[name] = GrpcStageClient(url, key)
+                    self._clients[name] = GrpcStageClient(url, key, topo.routing.resolve_interval_s)
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets, topo.routing.probe_misses_to_down)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)

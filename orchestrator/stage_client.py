@@ -7,6 +7,7 @@ also when the stage is hosted by this same server (see ``BlsInfer`` for why not 
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -116,6 +117,9 @@ _CHANNEL_ARGS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Every address the name resolves to gets calls in turn (one stream per call), not
+    # only the first: a headless Service's pods share a stage's load.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 _PROBE_INPUT = {"encode": "release", "prefill": "request", "decode": "request", "pd": "request"}
@@ -131,14 +135,33 @@ class GrpcStageClient(StageClient):
     once our single request is complete and we have half-closed).
     """
 
-    def __init__(self, url: str, key: DeploymentKey) -> None:
+    def __init__(self, url: str, key: DeploymentKey, resolve_interval_s: float = 30.0) -> None:
         import tritonclient.grpc.aio as grpcclient
 
         self._mod = grpcclient
         self._url = url
         self._key = key
         self._headers = {GRPC_EDGE_HEADER: key.edge_token}
-        self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
+        self._resolve_interval_s = resolve_interval_s
+        self._client = self._open()
+        self._calls: dict[Any, int] = {self._client: 0}
+        """Calls in flight per channel: a channel replaced by a fresh one is closed once
+        its last call ends."""
+
+    def _open(self) -> Any:
+        self._opened = time.monotonic()
+        return self._mod.InferenceServerClient(self._url, channel_args=_CHANNEL_ARGS)
+
+    def _channel(self) -> Any:
+        """The current channel, replaced by a fresh one (the name resolved again) every
+        ``resolve_interval_s``; the old one is closed by its last call."""
+        if time.monotonic() - self._opened >= self._resolve_interval_s:
+            old, self._client = self._client, self._open()
+            self._calls[self._client] = 0
+            if self._calls[old] == 0:
+                del self._calls[old]
+                asyncio.get_running_loop().create_task(old.close())
+        return self._client
 
     async def call(
         self,
@@ -177,7 +200,9 @@ class GrpcStageClient(StageClient):
         async def requests():
             yield request
 
-        stream = self._client.stream_infer(requests(), headers=self._headers)
+        client = self._channel()
+        self._calls[client] += 1
+        stream = client.stream_infer(requests(), headers=self._headers)
         finished = False
         try:
             while True:
@@ -212,6 +237,10 @@ class GrpcStageClient(StageClient):
             span.end()
             if not finished:  # we stop early (cancelled, timed out): so must the callee
                 stream.cancel()
+            self._calls[client] -= 1
+            if client is not self._client and self._calls[client] == 0:
+                del self._calls[client]
+                await client.close()
 
     async def ready(self, model: str) -> bool:
         """The server is ready and ``model`` answers a probe (the engines inside are alive).
@@ -224,7 +253,7 @@ class GrpcStageClient(StageClient):
 
         while True:
             try:
-                if not await self._client.is_server_ready():
+                if not await self._channel().is_server_ready():
                     return False
                 break
             except InferenceServerException:
@@ -243,9 +272,11 @@ class GrpcStageClient(StageClient):
         from tritonclient.utils import InferenceServerException
 
         try:
-            return await self._client.is_model_ready(model, headers=self._headers)
+            return await self._channel().is_model_ready(model, headers=self._headers)
         except InferenceServerException:
             return False
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in list(self._calls):
+            await client.close()
+        self._calls.clear()

@@ -305,3 +305,36 @@ def test_killed_decode_fails_fast_then_serves_again_once_back(stack):
         except urllib.error.HTTPError:
             assert time.monotonic() < deadline, "decode was not re-admitted"
             time.sleep(0.5)
+
+
+def test_one_name_for_several_encoders_spreads_calls_and_renews_its_channel(stack):
+    """What a headless Kubernetes Service gives the front: one stage address that stands
+    for several pods. Calls go round robin over all of them, and the channel is renewed
+    every ``resolve_interval_s`` (the name resolved again, to find pods an autoscaler
+    added) without failing a call; a replaced channel is closed once idle."""
+    import asyncio
+
+    from orchestrator.auth import DeploymentKey
+    from orchestrator.stage_client import GrpcStageClient
+
+    encoders = [stack.topology.servers[n] for n in ("enc1", "enc2")]
+
+    def answered() -> list[float]:
+        return [scrape(e, "nv_inference_request_success", model="encode") for e in encoders]
+
+    before = answered()
+    url = "ipv4:" + ",".join(f"127.0.0.1:{e.grpc_port}" for e in encoders)
+
+    async def probe_many() -> int:
+        client = GrpcStageClient(url, DeploymentKey(stack.secret), resolve_interval_s=0.2)
+        try:
+            for _ in range(20):
+                assert await client.ready("encode")
+                await asyncio.sleep(0.05)
+            return len(client._calls)  # channels still open
+        finally:
+            await client.close()
+
+    assert asyncio.run(probe_many()) == 1
+    spread = [a - b for a, b in zip(answered(), before, strict=True)]
+    assert sum(spread) >= 20 and min(spread) >= 5, spread

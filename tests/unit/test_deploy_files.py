@@ -282,17 +282,70 @@ def test_deployments_services_and_topology_agree(tmp_path):
         assert container["command"] == ["sh", "/etc/epd/serve.sh"]
 
 
-def test_hpa_scales_the_encoder(tmp_path):
+ADAPTER_VALUES = K8S_DIR / "autoscaling" / "prometheus-adapter-values.yaml"
+PUBLISHERS = {
+    "epd_requests_in_flight": ("orchestrator/triton/runner.py", "model"),
+    "epd_engine_waiting_requests": ("orchestrator/metrics.py", "role"),
+    "epd_engine_kv_cache_usage": ("orchestrator/metrics.py", "role"),
+}
+"""Series an HPA may scale on: the module that publishes it, and the label that tells the
+stages apart (the runner labels by Triton model, engines by vLLM role)."""
+
+
+def adapter_metrics() -> dict[str, str]:
+    """Custom metric name -> the series its prometheus-adapter rule reads."""
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    metrics = {}
+    for rule in rules:
+        series = re.match(r"(\w+)\{", rule["seriesQuery"]).group(1)
+        assert re.fullmatch(rule["name"]["matches"], series), rule
+        metrics[rule["name"].get("as", series)] = series
+        # per pod, so an HPA's Pods metric averages over its own pods
+        assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    return metrics
+
+
+def test_every_gpu_stage_scales_on_its_own_signal(tmp_path):
     topology = k8s_topology(tmp_path)
-    (hpa,) = by_kind("HorizontalPodAutoscaler").values()
-    target = hpa["spec"]["scaleTargetRef"]
-    encoders = [f"epd-{n}" for n in topology.servers_of("encode")]
-    assert target["kind"] == "Deployment" and target["name"] in encoders
-    (metric,) = hpa["spec"]["metrics"]
-    # CPU utilisation is relative to the request: the target container must have one.
-    assert metric["resource"]["name"] == "cpu"
-    (container,) = by_kind("Deployment")[target["name"]]["spec"]["template"]["spec"]["containers"]
-    assert container["resources"]["requests"]["cpu"]
+    hpas = {
+        h["spec"]["scaleTargetRef"]["name"]: h for h in by_kind("HorizontalPodAutoscaler").values()
+    }
+    deployments = by_kind("Deployment")
+    stages = {f"epd-{n}": s.stages for n, s in topology.servers.items() if runs_engine(s.stages)}
+    assert set(hpas) == set(stages)  # each stage server, and only those, autoscales
+    exposed = adapter_metrics()
+    for name, hpa in hpas.items():
+        spec = hpa["spec"]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment" and name in deployments
+        assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
+        pod = deployments[name]["spec"]["template"]
+        # Prometheus scrapes each pod on its metrics port: the series are per pod
+        annotations = pod["metadata"]["annotations"]
+        (container,) = pod["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert annotations == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(ports["metrics"]),
+        }
+        for metric in spec["metrics"]:
+            assert metric["type"] == "Pods"
+            series = exposed[metric["pods"]["metric"]["name"]]
+            module, label = PUBLISHERS[series]
+            assert f'"{series}"' in (ROOT / module).read_text()
+            # the selector names this stage: its Triton model or its engine's role
+            (value,) = metric["pods"]["metric"]["selector"]["matchLabels"].values()
+            assert metric["pods"]["metric"]["selector"]["matchLabels"] == {label: value}
+            assert value in stages[name], (name, metric)
+
+
+def test_stage_services_are_headless_and_the_front_is_not(tmp_path):
+    """gRPC keeps one connection per channel: behind a ClusterIP every front would stick
+    to one pod of a scaled stage. A headless name resolves to all of them."""
+    topology = k8s_topology(tmp_path)
+    for name, server in topology.servers.items():
+        service = by_kind("Service")[f"epd-{name}"]
+        headless = service["spec"].get("clusterIP") == "None"
+        assert headless == runs_engine(server.stages), name
 
 
 def test_serve_script_binds_the_pod_ip(tmp_path):
