@@ -40,6 +40,7 @@ ENCODE_JOIN = 1
 ENCODE_DONE = 2
 ENTER_POOL = 3
 STEP_END = 4
+HOST_STEP_END = 5  # a step on a shared host: (pool, generation); stale ones are dropped
 
 # Engine pool roles.
 ROLE_FULL = 0  # prefill and decode in one engine (aggregated, pd)
@@ -224,6 +225,46 @@ def _run_pop(run_key, run_req, run_size, replica):
 
 
 @numba.njit(cache=True, error_model="numpy")
+def _host_change(t, job, work, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n):
+    """On the shared host, ``job`` starts ``work`` seconds of work (``work`` < 0: it ends).
+    Everyone's progress so far is booked at the old share; every busy job's end is then
+    rescheduled at the new one (a new generation: its earlier end event is stale)."""
+    busy = 0
+    for k in range(job_active.shape[0]):
+        busy += job_active[k]
+    if busy > 0:
+        done = (t - host[0]) / busy
+        for k in range(job_active.shape[0]):
+            if job_active[k]:
+                job_left[k] = max(0.0, job_left[k] - done)
+    host[0] = t
+    job_active[job] = work >= 0
+    job_left[job] = max(work, 0.0)
+    busy = 0
+    for k in range(job_active.shape[0]):
+        busy += job_active[k]
+    for k in range(job_active.shape[0]):
+        if job_active[k]:
+            job_gen[k] = (job_gen[k] + 1) & 0xFFFFFF
+            if k == 0:
+                _push(
+                    ev_t, ev_v, ev_n, t + job_left[k] * busy, ENCODE_DONE, int(host[1]), job_gen[k]
+                )
+            else:
+                _push(ev_t, ev_v, ev_n, t + job_left[k] * busy, HOST_STEP_END, k - 1, job_gen[k])
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _start_step(
+    t, p, replica, duration, one_host, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
+):
+    if one_host:
+        _host_change(t, 1 + p, duration, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
+    else:
+        _push(ev_t, ev_v, ev_n, t + duration, STEP_END, p, replica)
+
+
+@numba.njit(cache=True, error_model="numpy")
 def run(
     seed,
     rate,
@@ -248,6 +289,7 @@ def run(
     pools,
     token_delay_s,
     max_inflight,
+    one_host,
 ):
     """Simulate the arrivals of ``duration_s`` (those before ``warmup_s`` are not measured)
     and run until every request is answered. Returns the histograms (rows: TTFT, TPOT,
@@ -316,10 +358,19 @@ def run(
     counters = np.zeros(C_COLUMNS, np.int64)
     cum = np.cumsum(res_probs)
 
-    capacity = max_inflight + n_pools * max_rep + 2
+    capacity = max_inflight + n_pools * max_rep + 2 + (64 * (n_pools + 1) if one_host else 0)
     ev_t = np.zeros(capacity)
     ev_v = np.zeros(capacity, np.int64)
     ev_n = np.zeros(1, np.int64)
+
+    # One shared host (``one_host``: one encoder, one replica per pool, all on the same
+    # cores): job 0 is the encoder's pass, job 1 + p a step of pool p. Each wants every
+    # core (ONNX Runtime's and vLLM's threads), so n busy jobs each run at 1/n speed:
+    # processor sharing, with completions rescheduled whenever n changes.
+    job_active = np.zeros(n_pools + 1, np.bool_)
+    job_left = np.zeros(n_pools + 1)  # seconds of work left at full speed
+    job_gen = np.zeros(n_pools + 1, np.int64)
+    host = np.zeros(2)  # [time of the last update, request the encoder is serving]
     # The next arrival waits beside the heap, not in it: a fifth of all events, each
     # spared a push and a pop.
     next_arrival = np.random.exponential(1.0 / rate)
@@ -382,12 +433,22 @@ def run(
                 enc_busy_s += r_service[a]
                 if r_arrival[a] >= warmup_s:
                     hist[3, _bin(0.0)] += 1
-                _push(ev_t, ev_v, ev_n, t + r_service[a], ENCODE_DONE, a, b)
+                if one_host:
+                    host[1] = a
+                    _host_change(
+                        t, 0, r_service[a], job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
+                    )
+                else:
+                    _push(ev_t, ev_v, ev_n, t + r_service[a], ENCODE_DONE, a, b)
             else:
                 r_joined[a] = t
                 enc_queue[(enc_head + enc_len) % max_inflight] = a
                 enc_len += 1
         elif kind == ENCODE_DONE:
+            if one_host:
+                if b != job_gen[0]:
+                    continue  # rescheduled since
+                _host_change(t, 0, -1.0, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
             if enc_len > 0:  # the first waiting request takes the server
                 q = enc_queue[enc_head]
                 enc_head = (enc_head + 1) % max_inflight
@@ -396,7 +457,13 @@ def run(
                 if r_arrival[q] >= warmup_s:
                     hist[3, _bin(t - r_joined[q])] += 1
                     sums[3] += t - r_joined[q]
-                _push(ev_t, ev_v, ev_n, t + r_service[q], ENCODE_DONE, q, b)
+                if one_host:
+                    host[1] = q
+                    _host_change(
+                        t, 0, r_service[q], job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
+                    )
+                else:
+                    _push(ev_t, ev_v, ev_n, t + r_service[q], ENCODE_DONE, q, 0)
             else:
                 enc_idle += 1
             delay = pools[0, P_ENTER_DELAY] + pools[0, P_PULL_PER_IMAGE] * r_images[a]
@@ -417,7 +484,7 @@ def run(
                 load_key, load_rep, load_pos, p, replicas[p], replica, +1, t, seq_s, present, last
             )
             if not stepping[p, replica]:
-                _plan_step(
+                duration = _plan_step(
                     t,
                     p,
                     replica,
@@ -436,9 +503,29 @@ def run(
                     stepping,
                     work_s,
                 )
-        else:  # STEP_END
+                if duration >= 0:
+                    _start_step(
+                        t,
+                        p,
+                        replica,
+                        duration,
+                        one_host,
+                        job_active,
+                        job_left,
+                        job_gen,
+                        host,
+                        ev_t,
+                        ev_v,
+                        ev_n,
+                    )
+        else:  # STEP_END, HOST_STEP_END
             p = a
             replica = b
+            if kind == HOST_STEP_END:
+                if b != job_gen[1 + p]:
+                    continue  # rescheduled since
+                _host_change(t, 1 + p, -1.0, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
+                replica = 0
             role = int(pools[p, P_ROLE])
             slot = p * max_rep + replica
             steps[p, replica] += 1
@@ -523,7 +610,7 @@ def run(
                 free[n_free] = r
                 n_free += 1
             stepping[p, replica] = False
-            _plan_step(
+            duration = _plan_step(
                 t,
                 p,
                 replica,
@@ -542,6 +629,21 @@ def run(
                 stepping,
                 work_s,
             )
+            if duration >= 0:
+                _start_step(
+                    t,
+                    p,
+                    replica,
+                    duration,
+                    one_host,
+                    job_active,
+                    job_left,
+                    job_gen,
+                    host,
+                    ev_t,
+                    ev_v,
+                    ev_n,
+                )
     for p in range(n_pools):
         seq_s[p] += present[p] * (t - last[p])
     return hist, sums, counters, enc_busy_s, work_s, seq_s, t
@@ -581,8 +683,9 @@ def _plan_step(
     stepping,
     work_s,
 ):
-    """Start the replica's next step if it has work: decode every running sequence, then
-    prefill waiting prompts in order within the token budget and the sequence limit."""
+    """Plan the replica's next step if it has work: decode every running sequence, then
+    prefill waiting prompts in order within the token budget and the sequence limit.
+    Returns its duration (-1: nothing to do); the caller schedules its end."""
     max_rep = wait_head.shape[1]
     slot = p * max_rep + replica
     running = run_size[slot]
@@ -606,7 +709,7 @@ def _plan_step(
         seats -= 1
         r = r_next[r]
     if running == 0 and done == 0 and prefill == 0:
-        return
+        return -1.0
     if prefill > 0:
         extra += pools[p, P_PREFILL_STEP]
     duration = (
@@ -619,4 +722,4 @@ def _plan_step(
     done_count[p, replica] = done
     stepping[p, replica] = True
     work_s[p] += duration - pools[p, P_BASE]
-    _push(ev_t, ev_v, ev_n, t + duration, STEP_END, p, replica)
+    return duration

@@ -173,9 +173,13 @@ def simulate(
     hops_machine: str | None = None,
     exponential_encode: bool = False,
     max_inflight: int | None = None,
+    one_host: bool = False,
 ) -> Prediction:
     """Run the fleet under the workload. ``exponential_encode`` draws encode times from an
-    exponential distribution with the profile's mean (for checks against queueing theory)."""
+    exponential distribution with the profile's mean (for checks against queueing theory).
+    ``one_host``: every stage shares one machine's cores (a single-box deployment: one
+    encoder, one replica per engine stage), so an encoder pass and an engine step that
+    overlap each run at half speed; otherwise each replica has hardware of its own."""
     hops: HopsProfile = _hops(profiles, hops_machine)
     stages = LAYOUT_STAGES[fleet.layout]
     engines = [s for s in stages if s != "encode"]
@@ -193,6 +197,10 @@ def simulate(
     else:
         servers, cache_entries, enc = 0, 0, (0.0, 0.0, 0.0)
         tokens = profiles.get("encode", fleet.stages["aggregated"].machine)
+    if one_host and (servers > 1 or any(c.replicas > 1 for c in fleet.stages.values())):
+        raise PlanInputError(
+            "one_host models one box: one encoder instance and one replica per stage"
+        )
     inflight = max_inflight or int(min(1 << 22, max(1 << 14, workload.rate_rps * 120)))
     started = time.perf_counter()
     hist, sums, counters, enc_busy, work, present, end_s = kernel.run(
@@ -217,6 +225,7 @@ def simulate(
         pools,
         hops.token_relay_s,
         inflight,
+        one_host,
     )
     wall = time.perf_counter() - started
     utilization = {}  # over the simulated time, arrivals and draining

@@ -118,7 +118,7 @@ def run(
         sent = WORKLOADS[SCENARIOS[scenario]](requests, 0)
         offered = realized_rate(rate, requests)
         workload = _workload_of(sent, model, offered, output_tokens, SCENARIOS[scenario])
-        p = simulate(fleet, profiles, workload)
+        p = simulate(fleet, profiles, workload, one_host=True)
         measured = {
             "ttft_p50_s": result.ttft_s.p50,
             "ttft_p90_s": result.ttft_s.p90,

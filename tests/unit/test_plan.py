@@ -218,3 +218,24 @@ def test_cli_plans_and_writes_a_topology(tmp_path: Path, capsys) -> None:
     )
     assert code == 2
     assert "rate_rps" in capsys.readouterr().err
+
+
+def test_one_host_shares_its_cores_between_encoder_and_engine() -> None:
+    """A single box (E+PD, one of each): an encoder pass and an engine step that overlap run
+    at half speed each; with nothing to overlap the box is as fast as two machines."""
+    p = profiles((CPU, 1.0))
+    fleet = Fleet("E+PD", {"encode": StageCount("cpu", 1), "pd": StageCount("cpu", 1)})
+
+    def ttft(workload: Workload, one_host: bool) -> float:
+        return simulate(fleet, p, workload, one_host=one_host).ttft_s.p50
+
+    sparse = WORKLOAD.model_copy(update={"rate_rps": 0.2, "image_share": 1.0, "duration_s": 600})
+    assert ttft(sparse, True) == pytest.approx(ttft(sparse, False), rel=0.01)
+    text = WORKLOAD.model_copy(update={"image_share": 0.0})
+    assert ttft(text, True) == pytest.approx(ttft(text, False), rel=0.01)
+    # busy: images are encoded while other requests decode, and both slow down
+    busy = WORKLOAD.model_copy(update={"rate_rps": 20, "image_share": 1.0})
+    assert ttft(busy, True) > 1.2 * ttft(busy, False)
+    two = Fleet("E+PD", {"encode": StageCount("cpu", 1), "pd": StageCount("cpu", 2)})
+    with pytest.raises(PlanInputError, match="one box"):
+        simulate(two, p, busy, one_host=True)
