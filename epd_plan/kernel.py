@@ -489,9 +489,6 @@ def run(
                     p,
                     replica,
                     pools,
-                    ev_t,
-                    ev_v,
-                    ev_n,
                     r_left,
                     r_images,
                     r_started,
@@ -615,9 +612,6 @@ def run(
                 p,
                 replica,
                 pools,
-                ev_t,
-                ev_v,
-                ev_n,
                 r_left,
                 r_images,
                 r_started,
@@ -669,9 +663,6 @@ def _plan_step(
     p,
     replica,
     pools,
-    ev_t,
-    ev_v,
-    ev_n,
     r_left,
     r_images,
     r_started,
@@ -685,7 +676,8 @@ def _plan_step(
 ):
     """Plan the replica's next step if it has work: decode every running sequence, then
     prefill waiting prompts in order within the token budget and the sequence limit.
-    Returns its duration (-1: nothing to do); the caller schedules its end."""
+    Returns its duration (-1: nothing to do); the caller schedules its end. (Its two
+    callers spell out the arrays: passing them as tuples cost ~15% of the run time.)"""
     max_rep = wait_head.shape[1]
     slot = p * max_rep + replica
     running = run_size[slot]
