@@ -163,13 +163,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from epd_plan import planner
     from epd_plan.profile import Profiles
     from epd_plan.simulate import simulate
-    from epd_plan.workload import PlanInputError, Slo, Workload, load
+    from epd_plan.workload import PlanInputError, Slo, Workload, load, workload_of_trace
 
     try:
         profiles = Profiles.load(Path(args.profiles))
         if not args.workload:
             raise PlanInputError("--workload FILE is required (YAML: rate_rps, image_share, ...)")
-        workload = load(Path(args.workload), Workload)
+        path = Path(args.workload)
+        if path.suffix == ".jsonl":
+            workload = workload_of_trace(path)
+            print(f"workload from the trace {path}: {workload.model_dump_json()}")
+        else:
+            workload = load(path, Workload)
         if args.fleet:
             fleet = _fleet(args.fleet, profiles)
             p = simulate(fleet, profiles, workload)
@@ -234,7 +239,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "plan", help="capacity planning: fleet per stage for a workload and an SLO"
     )
     plan.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile folder")
-    plan.add_argument("--workload", help="workload file (YAML/JSON)")
+    plan.add_argument(
+        "--workload",
+        help="workload file (YAML/JSON), or a recorded trace (.jsonl, a request a line)",
+    )
     plan.add_argument("--slo", help="SLO file (YAML/JSON): ttft_p90_s, tpot_p90_s")
     plan.add_argument("--layout", action="append", choices=["aggregated", "E+PD", "E/P/D"])
     plan.add_argument("--fleet", help="predict this fleet instead, e.g. 'E+PD encode=1 pd=2'")

@@ -102,6 +102,72 @@ def load(path: Path, kind: type[_Spec]) -> _Spec:
     return parse(text, kind, str(path))
 
 
+class TracedRequest(_Spec):
+    """One line of a recorded trace (JSON Lines)."""
+
+    t: float = Field(ge=0)
+    """Arrival, seconds from any fixed origin."""
+    images: list[tuple[int, int]] = Field(default_factory=list)
+    """``[width, height]`` of each image."""
+    image_ids: list[str] | None = None
+    """Content ids of the images (any stable hash): repeats tell the encoder cache's share."""
+    prompt_tokens: int = Field(ge=1)
+    """Text tokens of the prompt (image tokens come on top)."""
+    output_tokens: int = Field(ge=1)
+
+
+def workload_of_trace(path: Path) -> Workload:
+    """A recorded trace (one :class:`TracedRequest` per line) summarised as a workload:
+    its mean rate (Poisson arrivals), its share of image requests and their mean image
+    count, its resolution mix, its mean prompt and output lengths (outputs geometric
+    unless all equal) and, from ``image_ids``, how many distinct images it repeats. The
+    simulation draws requests like these; it does not replay the trace request by request."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise PlanInputError(f"cannot read {path}: {exc.strerror}") from None
+    requests = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(TracedRequest.model_validate_json(line))
+        except ValidationError as exc:
+            raise PlanInputError(
+                f"{path}:{number}: not a traced request: {describe(exc)}"
+            ) from None
+    if len(requests) < 2:
+        raise PlanInputError(f"{path}: a trace needs at least two requests")
+    times = sorted(r.t for r in requests)
+    span = times[-1] - times[0]
+    if span <= 0:
+        raise PlanInputError(f"{path}: every request arrives at the same time; no rate to take")
+    with_images = [r for r in requests if r.images]
+    sizes: dict[str, float] = {}
+    for r in with_images:
+        for width, height in r.images:
+            if width <= 0 or height <= 0:
+                raise PlanInputError(f"{path}: image size {width}x{height} is not positive")
+            sizes[f"{width}x{height}"] = sizes.get(f"{width}x{height}", 0) + 1
+    ids = [i for r in requests for i in (r.image_ids or [])]
+    outputs = [r.output_tokens for r in requests]
+    duration = max(span, 60.0)
+    return Workload(
+        rate_rps=(len(requests) - 1) / span,
+        image_share=len(with_images) / len(requests),
+        images_per_request=max(1, round(sum(len(r.images) for r in with_images) / len(with_images)))
+        if with_images
+        else 1,
+        resolutions=sizes or {"448x448": 1.0},
+        prompt_tokens=round(sum(r.prompt_tokens for r in requests) / len(requests)),
+        output_tokens=max(1, round(sum(outputs) / len(outputs))),
+        output_distribution="fixed" if len(set(outputs)) == 1 else "geometric",
+        image_pool=len(set(ids)) if len(set(ids)) < len(ids) else 0,
+        duration_s=duration,
+        warmup_s=duration / 10,
+    )
+
+
 def parse(text: str, kind: type[_Spec], where: str) -> _Spec:
     try:
         data = yaml.safe_load(text)

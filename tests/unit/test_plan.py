@@ -3,6 +3,7 @@ count, the latency floor recognised, and the topology it writes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from epd_plan.profile import (
     write,
 )
 from epd_plan.simulate import Fleet, StageCount, simulate
-from epd_plan.workload import PlanInputError, Slo, Workload, parse
+from epd_plan.workload import PlanInputError, Slo, Workload, parse, workload_of_trace
 from orchestrator.cli import main as epd
 from orchestrator.config import Topology
 
@@ -176,10 +177,15 @@ def test_fleet_arguments_are_checked() -> None:
         Fleet("E+PD", {"encode": StageCount("cpu", 1)})
 
 
-def test_cli_plans_and_writes_a_topology(tmp_path: Path, capsys) -> None:
+def _profile_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "profiles"
     for profile in profiles((CPU, 1.0)).by_key.values():
         write(profile, folder)
+    return folder
+
+
+def test_cli_plans_and_writes_a_topology(tmp_path: Path, capsys) -> None:
+    folder = _profile_dir(tmp_path)
     (tmp_path / "w.yaml").write_text("rate_rps: 20\nduration_s: 30\nwarmup_s: 3\n")
     (tmp_path / "slo.yaml").write_text("ttft_p90_s: 0.3\ntpot_p90_s: 0.05\n")
     out = tmp_path / "topology.yaml"
@@ -239,3 +245,28 @@ def test_one_host_shares_its_cores_between_encoder_and_engine() -> None:
     two = Fleet("E+PD", {"encode": StageCount("cpu", 1), "pd": StageCount("cpu", 2)})
     with pytest.raises(PlanInputError, match="one box"):
         simulate(two, p, busy, one_host=True)
+
+
+def test_a_recorded_trace_becomes_the_workload_it_shows(tmp_path: Path, capsys) -> None:
+    lines = []
+    for i in range(101):  # 100 gaps of 0.05 s: 20 req/s
+        request = {"t": 10 + i * 0.05, "prompt_tokens": 40 + i % 2 * 20, "output_tokens": 8 + i % 3}
+        if i % 4 == 0:  # a quarter carry two photos, from a pool of five
+            request["images"] = [[1024, 768], [448, 448]]
+            request["image_ids"] = [f"a{i % 5}", f"b{i % 5}"]
+        lines.append(json.dumps(request))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    w = workload_of_trace(trace)
+    assert w.rate_rps == pytest.approx(20)
+    assert w.image_share == pytest.approx(26 / 101) and w.images_per_request == 2
+    assert w.resolutions == {"1024x768": 26, "448x448": 26}
+    assert w.prompt_tokens == 50 and w.output_tokens == 9 and w.output_distribution == "geometric"
+    assert w.image_pool == 10  # ten distinct images behind 52
+    args = ["plan", "--profiles", str(_profile_dir(tmp_path)), "--workload", str(trace)]
+    assert epd([*args, "--fleet", "E+PD encode=1 pd=1"]) == 0
+    assert "workload from the trace" in capsys.readouterr().out
+
+    trace.write_text(lines[0] + "\n" + '{"t": 1, "prompt_tokens": 0, "output_tokens": 3}\n')
+    with pytest.raises(PlanInputError, match=r"trace.jsonl:2: .*prompt_tokens"):
+        workload_of_trace(trace)
