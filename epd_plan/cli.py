@@ -63,7 +63,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"epd plan validate: unknown workload {scenario!r}; known: "
                   f"{', '.join(validate.SCENARIOS)}", file=sys.stderr)  # fmt: skip
             return 2
-        rates[scenario] = float(rate)
+        try:
+            rates[scenario] = float(rate)
+        except ValueError:
+            rates[scenario] = 0.0
+        if not rates[scenario] > 0:
+            print(f"epd plan validate: --rate {item!r}: give WORKLOAD=REQ_PER_S with a rate "
+                  "above 0, e.g. image-heavy=6", file=sys.stderr)  # fmt: skip
+            return 2
     model = topology_of(argparse.Namespace(topology=None, model=args.model)).model
     comparisons = validate.run(model, profiles, rates, args.requests, args.timeout)
     print(validate.table(comparisons))

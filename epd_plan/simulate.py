@@ -152,10 +152,9 @@ def _engine_row(
     row[kernel.P_MAX_SEQS] = decode.max_seqs if stage != "prefill" else prefill.max_seqs
     if stage == "prefill":
         row[kernel.P_BASE] = prefill.base_s
-    elif stage == "decode":
+    else:  # every step decodes (and streams its tokens through Triton)
         row[kernel.P_BASE] = decode.base_s + hops.step_overhead_s
-    else:  # one engine: every step decodes, some also prefill
-        row[kernel.P_BASE] = decode.base_s + hops.step_overhead_s
+    if stage in ("pd", "aggregated"):  # one engine: some of its steps also prefill
         row[kernel.P_PREFILL_STEP] = max(0.0, prefill.base_s - decode.base_s)
     if stage in ("pd", "prefill"):  # fed by handles: the engine pulls the embeddings first
         row[kernel.P_PULL_PER_IMAGE] = hops.embedding_pull_s

@@ -115,6 +115,14 @@ class TracedRequest(_Spec):
     """Text tokens of the prompt (image tokens come on top)."""
     output_tokens: int = Field(ge=1)
 
+    @model_validator(mode="after")
+    def _ids(self) -> TracedRequest:
+        if self.image_ids is not None and len(self.image_ids) != len(self.images):
+            raise ValueError(
+                f"{len(self.image_ids)} image_ids for {len(self.images)} images: one id each"
+            )
+        return self
+
 
 def workload_of_trace(path: Path) -> Workload:
     """A recorded trace (one :class:`TracedRequest` per line) summarised as a workload:
