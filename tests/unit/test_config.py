@@ -227,3 +227,16 @@ def test_a_host_name_needs_an_ip_to_bind():
         ServerSpec(host="encoder.svc", bind="eth0", **ports)
     spec = ServerSpec(host="encoder.svc", bind="0.0.0.0", **ports)
     assert (spec.bind_address, spec.grpc_url) == ("0.0.0.0", "encoder.svc:2")
+
+
+def test_cpu_engines_sleep_between_parallel_regions_unless_the_operator_says(
+    tiny_model: Path, monkeypatch
+):
+    """Spinning OpenMP workers took a core from the encoder and the serving path."""
+    from orchestrator.llm import engine_env
+
+    topo = default_topology(tiny_model)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert engine_env(topo, "llm", "pd")["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert engine_env(topo, "llm", "pd")["OMP_WAIT_POLICY"] == "ACTIVE"
