@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from epd_bench.idle import tree_cpu_s
 from orchestrator.config import Topology
 
 VLLM_BENCH = (
@@ -83,8 +84,8 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float) -> N
 
 
 @contextlib.contextmanager
-def vllm_serve(topology: Topology, log: Path, served_name: str) -> Iterator[str]:
-    """``vllm serve`` up and healthy; yields its base URL."""
+def vllm_serve(topology: Topology, log: Path, served_name: str) -> Iterator[tuple[str, int]]:
+    """``vllm serve`` up and healthy; yields its base URL and pid."""
     from orchestrator.ports import free_ports
 
     port = free_ports(1)[0]
@@ -96,7 +97,7 @@ def vllm_serve(topology: Topology, log: Path, served_name: str) -> Iterator[str]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 600)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -192,7 +193,10 @@ class PeerResult:
     peer: str
     kind: str
     runs: list[dict]
-    """Per repeat: requests/s, TTFT p50/p90 (ms), completed and failed requests."""
+    """Per repeat: requests/s, TTFT p50/p90 (ms), completed and failed requests, and
+    ``cpu_ms``: CPU milliseconds per request (warm-ups included) of each server's process
+    tree (Triton with its stubs and engine cores; the OpenAI front; ``vllm serve`` with its
+    engine), the load generator aside."""
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
@@ -222,26 +226,33 @@ def run(
     name = topology.served_model_name
     results: list[PeerResult] = []
 
-    def measure(peer: str, base_url: str, model: str = name) -> None:
+    def measure(peer: str, base_url: str, pids: dict[str, int], model: str = name) -> None:
         for kind in KINDS:
             runs = []
             for i in range(repeats):
                 out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
+                before = {server: tree_cpu_s(pid) for server, pid in pids.items()}
                 result = bench_serve(
                     base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
                 )
                 runs.append(_summary(result))
+                runs[-1]["cpu_ms"] = {
+                    server: round((tree_cpu_s(pid) - before[server]) * 1e3 / (prompts + warmups), 2)
+                    for server, pid in pids.items()
+                }
                 print(f"  {peer:12s} {kind:5s} run {i + 1}: {runs[-1]}", flush=True)
             results.append(PeerResult(peer, kind, runs))
 
     deployment = Deployment(topology, workdir / "serve")
     with deployment.running(timeout_s=600):
         front = next(iter(deployment.openai.values()))
-        measure("epd", front.url, "epd")
+        pids = {server_name: server.pid for server_name, server in deployment.servers.items()}
+        pids |= {f"{n} (OpenAI)": api.pid for n, api in deployment.openai.items()}
+        measure("epd", front.url, pids, "epd")
         if "aggregated" in deployment.topology.servers[front.server].stages:
-            measure("aggregated", front.url, "aggregated")
-    with vllm_serve(topology, workdir / "vllm-serve.log", name) as url:
-        measure("vllm serve", url)
+            measure("aggregated", front.url, pids, "aggregated")
+    with vllm_serve(topology, workdir / "vllm-serve.log", name) as (url, pid):
+        measure("vllm serve", url, {"vllm serve": pid})
     return results
 
 
@@ -254,6 +265,14 @@ def format_report(results: list[PeerResult]) -> str:
             low, high = r.spread(key)
             cells.append(f"{r.median(key):8.2f} [{low:.1f}-{high:.1f}]")
         lines.append(f"{r.kind:6s} {r.peer:12s} {cells[0]:>16s} {cells[1]:>20s} {cells[2]:>20s}")
+    lines.append("CPU ms per request by server (medians; the load generator aside):")
+    for r in results:
+        servers = r.runs[0].get("cpu_ms", {})
+        cells = [
+            f"{n} {statistics.median(run['cpu_ms'][n] for run in r.runs):.1f}" for n in servers
+        ]
+        total = statistics.median(sum(run["cpu_ms"].values()) for run in r.runs)
+        lines.append(f"  {r.kind:6s} {r.peer:12s} total {total:6.1f}: " + ", ".join(cells))
     lines.append("ratios to vllm serve (medians):")
     for ours_name in ("epd", "aggregated"):
         for kind in KINDS:

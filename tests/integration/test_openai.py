@@ -317,7 +317,7 @@ def test_hang_up_while_waiting_for_a_whole_answer_stops_every_stage(stack):
 def vllm_serve(stack: Deployment, tmp_path_factory) -> Iterator[str]:
     """Plain ``vllm serve`` on the same checkpoint with the engine settings our stack uses."""
     log = tmp_path_factory.mktemp("vllm") / "serve.log"
-    with openai_peer.vllm_serve(stack.topology, log, "tiny") as url:
+    with openai_peer.vllm_serve(stack.topology, log, "tiny") as (url, _):
         yield f"{url}/v1"
 
 

@@ -242,3 +242,19 @@ def test_cache_bench_summary_counts_passes_saved_and_hit_ratio():
     assert [r.images for r in first["miss"]] == [r.images for r in first["hit"]]
     assert first["miss"][0].text != first["hit"][0].text
     assert not {r.images for r in first["miss"]} & {r.images for r in again["miss"]}
+
+
+def test_openai_report_shows_cpu_per_request_by_server():
+    from epd_bench.openai_peer import PeerResult, format_report
+
+    def run(rps: float, cpu: dict[str, float]) -> dict:
+        return {"req_per_s": rps, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "cpu_ms": cpu}
+
+    ours = PeerResult(
+        "epd", "text", [run(9, {"llm": 30.0, "front": 10.0}), run(11, {"llm": 40.0, "front": 12.0})]
+    )
+    peer = PeerResult("vllm serve", "text", [run(20, {"vllm serve": 25.0})])
+    report = format_report([ours, peer])
+    assert "text   epd          total   46.0: llm 35.0, front 11.0" in report
+    assert "text   vllm serve   total   25.0: vllm serve 25.0" in report
+    assert "epd        text   req/s 0.50x" in report
