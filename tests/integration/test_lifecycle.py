@@ -607,6 +607,26 @@ def _engine_core(server_pid: int) -> psutil.Process:
     raise AssertionError(f"no vLLM EngineCore process under {server_pid}")
 
 
+def test_engine_cores_do_not_spin_their_idle_threads(stack):
+    """A spinning OpenMP worker (the default wait policy) burned as much CPU as the engine's
+    own thread while the tiny model gave it almost nothing to do, taking a core from the
+    encoder and the serving path. Passive, it is a fraction. (The setting cannot be read
+    from /proc: vLLM's process title overwrites the environment block.)"""
+    core = _engine_core(stack.servers["decode"]._proc.pid)
+
+    def thread_cpu() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in core.threads()}
+
+    before = thread_cpu()
+    for i in range(8):
+        generate(_front(stack).http_url, "epd", f"count to {i}", [], 64)
+    used = {tid: cpu - before.get(tid, 0.0) for tid, cpu in thread_cpu().items()}
+    main = used.pop(core.pid)
+    print(f"engine core CPU: main thread {main:.2f} s, busiest other {max(used.values()):.2f} s")
+    assert main > 0.1, "the engine did not run"
+    assert max(used.values()) < 0.5 * main
+
+
 def test_dead_engine_leaves_rotation_and_its_twin_serves(stack):
     """Last in this module: it kills prefill1's engine core (its Triton server stays up)."""
     server = stack.servers["prefill1"]
