@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -67,9 +68,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             rates[scenario] = float(rate)
         except ValueError:
             rates[scenario] = 0.0
-        if not rates[scenario] > 0:
+        if not 0 < rates[scenario] < math.inf:
             print(f"epd plan validate: --rate {item!r}: give WORKLOAD=REQ_PER_S with a rate "
-                  "above 0, e.g. image-heavy=6", file=sys.stderr)  # fmt: skip
+                  "above 0 (and finite), e.g. image-heavy=6", file=sys.stderr)  # fmt: skip
             return 2
     model = topology_of(argparse.Namespace(topology=None, model=args.model)).model
     comparisons = validate.run(model, profiles, rates, args.requests, args.timeout)

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.config import describe
 
@@ -107,7 +115,7 @@ class TracedRequest(_Spec):
 
     t: float = Field(ge=0)
     """Arrival, seconds from any fixed origin."""
-    images: list[tuple[int, int]] = Field(default_factory=list)
+    images: list[tuple[PositiveInt, PositiveInt]] = Field(default_factory=list)
     """``[width, height]`` of each image."""
     image_ids: list[str] | None = None
     """Content ids of the images (any stable hash): repeats tell the encoder cache's share."""
@@ -154,8 +162,6 @@ def workload_of_trace(path: Path) -> Workload:
     sizes: dict[str, float] = {}
     for r in with_images:
         for width, height in r.images:
-            if width <= 0 or height <= 0:
-                raise PlanInputError(f"{path}: image size {width}x{height} is not positive")
             sizes[f"{width}x{height}"] = sizes.get(f"{width}x{height}", 0) + 1
     ids = [i for r in requests for i in (r.image_ids or [])]
     outputs = [r.output_tokens for r in requests]

@@ -612,7 +612,7 @@ def test_engine_cores_do_not_spin_their_idle_threads(stack):
     own thread while the tiny model gave it almost nothing to do, taking a core from the
     encoder and the serving path. Passive, it is a fraction. (The setting cannot be read
     from /proc: vLLM's process title overwrites the environment block.)"""
-    core = _engine_core(stack.servers["decode"]._proc.pid)
+    core = _engine_core(stack.servers["decode"].pid)
 
     def thread_cpu() -> dict[int, float]:
         return {t.id: t.user_time + t.system_time for t in core.threads()}

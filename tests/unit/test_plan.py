@@ -274,9 +274,14 @@ def test_a_recorded_trace_becomes_the_workload_it_shows(tmp_path: Path, capsys) 
                      '"image_ids": ["a", "b"]}\n')  # fmt: skip
     with pytest.raises(PlanInputError, match=r"trace.jsonl:1: .*2 image_ids for 1 images"):
         workload_of_trace(trace)
+    trace.write_text('{"t": 1, "prompt_tokens": 5, "output_tokens": 3, "images": [[0, 4]]}\n')
+    with pytest.raises(PlanInputError, match=r"trace.jsonl:1: .*images"):
+        workload_of_trace(trace)
 
 
-@pytest.mark.parametrize("rate", ["image-heavy=0", "image-heavy=fast", "image-heavy"])
+@pytest.mark.parametrize(
+    "rate", ["image-heavy=0", "image-heavy=fast", "image-heavy", "image-heavy=inf"]
+)
 def test_validate_refuses_a_rate_it_cannot_use(rate: str, tmp_path: Path, capsys) -> None:
     args = ["plan", "validate", "--profiles", str(_profile_dir(tmp_path)), "--rate", rate]
     assert epd(args) == 2
