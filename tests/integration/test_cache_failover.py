@@ -163,7 +163,8 @@ def test_eviction_under_the_byte_budget(stack):
 
 def test_same_pixels_in_another_encoding_hit_the_cache(stack):
     """The cache key is the decoded pixels: a lossless PNG of an image an encoder holds is a
-    hit there (these handles are never pulled; they expire after ttl + grace)."""
+    hit there; the very same bytes again are a hit without even being decoded (these
+    handles are never pulled; they expire after ttl + grace)."""
     from PIL import Image
 
     jpeg = photo(1)
@@ -172,10 +173,13 @@ def test_same_pixels_in_another_encoding_hit_the_cache(stack):
     enc1 = stack.topology.servers["enc1"]
     _encode_directly(stack.topology, "enc1", [jpeg])
     passes, hits = encoder_passes(enc1), cache_metrics(enc1)["hits"]
+    decoded = scrape(enc1, "epd_encoder_images_decoded_total")
+    [again] = _encode_directly(stack.topology, "enc1", [jpeg])["handles"]
     [handle] = _encode_directly(stack.topology, "enc1", [png.getvalue()])["handles"]
     assert encoder_passes(enc1) == passes
-    assert cache_metrics(enc1)["hits"] == hits + 1
-    assert handle["grid_thw"] == [1, 12, 16]
+    assert cache_metrics(enc1)["hits"] == hits + 2
+    assert scrape(enc1, "epd_encoder_images_decoded_total") == decoded + 1  # the PNG only
+    assert handle["grid_thw"] == again["grid_thw"] == [1, 12, 16]
 
 
 def _encode_directly(topology: Topology, server: str, images: list[bytes]) -> dict:
