@@ -8,10 +8,11 @@ those arrays from the planner's dataclasses and reads the results back. The mode
   the prompt and output lengths are fixed or geometric.
 - **Encode pool**: ``servers`` parallel servers behind one FIFO queue (the front's
   least-outstanding routing over encoders that answer first come, first served). A
-  request's service time is the call's base cost plus, per image the pool's cache does not
-  hold, a per-image cost and a per-megapixel cost; deterministic, or exponential with that
-  mean. The cache is the pool's (routing sends an image to the encoder that holds it, so the
-  encoders' caches act as one): FIFO eviction over ``cache_entries`` images.
+  request's service time is the call's base cost plus, per image, a per-image cost and a
+  per-megapixel cost: those of the tower's pass, or the smaller ones of decoding an image
+  the pool's cache holds; deterministic, or exponential with that mean. The cache is the
+  pool's (routing sends an image to the encoder that holds it, so the encoders' caches act
+  as one): FIFO eviction over ``cache_entries`` images.
 - **Engine pools** (vLLM engines: ``aggregated``, ``pd``, ``prefill``, ``decode``): each
   replica runs steps like vLLM's scheduler. A step decodes one token for every running
   sequence and prefills waiting prompts first come first served within a token budget
@@ -283,6 +284,8 @@ def run(
     encode_base_s,
     encode_image_s,
     encode_mpix_s,
+    encode_hit_image_s,
+    encode_hit_mpix_s,
     encode_exponential,
     encode_enter_delay_s,
     cache_entries,
@@ -417,7 +420,9 @@ def run(
                     counters[C_IMAGES] += 1
                     if hit:
                         counters[C_HITS] += 1
-                if not hit:
+                if hit:
+                    work += encode_hit_image_s + encode_hit_mpix_s * res_mpix[k]
+                else:
                     work += encode_image_s + encode_mpix_s * res_mpix[k]
             r_prompt[r] = tokens
             r_left[r] = tokens

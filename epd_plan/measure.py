@@ -7,11 +7,13 @@ Two parts, one after the other so they never share the cores:
    and batches of sequences decoding at two context lengths -- the prefill and decode step
    costs, fitted to the samples.
 2. **The deployment** (E/P/D on free local ports, traces on): images of each size and
-   text-only requests are sent one at a time through ``epd``; the traces give each encode
-   call's own time (the ``encode`` span on the encoder) and what every hop adds around the
-   stages (``call X`` minus ``X``, the embedding pull, the decode side's first token, what
-   the front adds), and the gaps between tokens at the client, against the engine's own
-   step, what serving each step through Triton adds -- the encode and hops profiles.
+   text-only requests are sent one at a time through ``epd``, then the same images again
+   (answered by the encoder's cache); the traces give each encode call's own time (the
+   ``encode`` span on the encoder, for an image encoded and for one the cache answered)
+   and what every hop adds around the stages (``call X`` minus ``X``, the embedding pull,
+   the decode side's first token, what the front adds), and the gaps between tokens at
+   the client, against the engine's own step, what serving each step through Triton adds
+   -- the encode and hops profiles.
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def _median(values: list[float], what: str) -> float:
     return statistics.median(values)
 
 
+def _fit_encode(samples: list[EncodeSample], what: str) -> list[float]:
+    """Per image and per megapixel of an encode call, fitted to its spans."""
+    if not samples:
+        raise RuntimeError(f"the traces have no encode calls of {what}")
+    return fit([[1.0, s.width * s.height / 1e6] for s in samples], [s.latency_s for s in samples])
+
+
 async def _send_all(
     url: str, requests: list[tuple[tuple[int, int], bytes | None]]
 ) -> tuple[list, list[float]]:
@@ -136,7 +145,10 @@ def measure_deployment(
         for _ in range(sweep.images_per_size):
             requests.append((size, _photo(*size, serial)))
             serial += 1
+    photos = requests[2:]
     requests += [((0, 0), None)] * sweep.images_per_size
+    requests += photos  # again: the encoder's cache answers them
+    cached = [i >= len(requests) - len(photos) for i in range(len(requests))]
     with embedded(topology, timeout_s, traces=True) as running:
         url = running.server_of("epd")[1].grpc_url
         windows, gaps = asyncio.run(_send_all(url, requests))
@@ -149,13 +161,15 @@ def measure_deployment(
         if s["name"] == "epd" and s["parent_id"] is None:
             roots[s["trace_id"]] = s["start_ns"]
     encode_samples, encode_hop, llm_hop, kv, relay, pull = [], [], [], [], [], []
-    for size, start, end in windows[2:]:
+    for (size, start, end), hit in zip(windows[2:], cached[2:], strict=True):
         trace = next((by_trace[t] for t, begun in roots.items() if start <= begun <= end), None)
         if trace is None:
             continue
         if "encode" in trace:
             encode_samples.append(
-                EncodeSample(width=size[0], height=size[1], images=1, latency_s=trace["encode"])
+                EncodeSample(
+                    width=size[0], height=size[1], images=1, latency_s=trace["encode"], cached=hit
+                )
             )
             encode_hop.append(trace["call encode"] - trace["encode"])
             pull.append(trace.get("embedding_pull", 0.0))
@@ -167,10 +181,8 @@ def measure_deployment(
             - trace["call prefill"]
             - trace["call decode"]
         )
-    coefficients = fit(
-        [[1.0, s.width * s.height / 1e6] for s in encode_samples],
-        [s.latency_s for s in encode_samples],
-    )
+    coefficients = _fit_encode([s for s in encode_samples if not s.cached], "encoded images")
+    hit_coefficients = _fit_encode([s for s in encode_samples if s.cached], "cached images")
     largest = family.max_image_tokens()
     settings = getattr(family, "image_settings", None)
     unit = getattr(settings, "factor", None) or 28
@@ -180,6 +192,8 @@ def measure_deployment(
         base_s=0.0,
         image_s=coefficients[0],
         mpix_s=coefficients[1],
+        hit_image_s=hit_coefficients[0],
+        hit_mpix_s=hit_coefficients[1],
         instances=topology.servers["encoder"].instances.get("vision_encoder", 1),
         cache_entries=pool_bytes_for(topology.transfer.pool_bytes, family.max_image_bytes())
         // family.max_image_bytes(),

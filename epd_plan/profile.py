@@ -101,6 +101,8 @@ class EncodeSample(_Spec):
     images: int
     """Images in the call."""
     latency_s: float
+    cached: bool = False
+    """Answered from the encoder cache: the image was decoded and hashed, the tower not run."""
 
 
 class EncodeProfile(_Profile):
@@ -108,6 +110,11 @@ class EncodeProfile(_Profile):
     base_s: float = Field(ge=0)
     image_s: float = Field(ge=0)
     mpix_s: float = Field(ge=0)
+    hit_image_s: float = Field(default=0, ge=0)
+    """Per image the encoder cache answers: still decoded (to hash its pixels) and handed
+    out, but no pass of the tower."""
+    hit_mpix_s: float = Field(default=0, ge=0)
+    """Per megapixel of an image the cache answers (decoding it)."""
     instances: int = Field(default=1, ge=1)
     """Encode calls one replica serves at once."""
     cache_entries: int = Field(default=0, ge=0)

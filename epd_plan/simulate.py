@@ -192,9 +192,9 @@ def simulate(
         tokens = encode
         servers = count.replicas * encode.instances
         cache_entries = count.replicas * encode.cache_entries
-        enc = (encode.base_s, encode.image_s, encode.mpix_s)
+        enc = (encode.base_s, encode.image_s, encode.mpix_s, encode.hit_image_s, encode.hit_mpix_s)
     else:
-        servers, cache_entries, enc = 0, 0, (0.0, 0.0, 0.0)
+        servers, cache_entries, enc = 0, 0, (0.0,) * 5
         tokens = profiles.get("encode", fleet.stages["aggregated"].machine)
     if one_host and (servers > 1 or any(c.replicas > 1 for c in fleet.stages.values())):
         raise PlanInputError(

@@ -36,7 +36,8 @@ def test_profile_this_machine_then_plan_a_valid_topology(tiny_model: Path, tmp_p
     prefill = profiles.get("prefill", machine.name)
     decode = profiles.get("decode", machine.name)
     # what was measured costs something, and each fit kept its samples
-    assert encode.image_s + encode.mpix_s > 0 and len(encode.samples) == 6
+    assert encode.image_s + encode.mpix_s > 0 and encode.hit_image_s + encode.hit_mpix_s > 0
+    assert sorted(s.cached for s in encode.samples) == [False] * 6 + [True] * 6
     assert prefill.per_token_s > 0 and prefill.samples
     assert decode.base_s > 0 and decode.samples
 

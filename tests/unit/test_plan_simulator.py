@@ -21,7 +21,12 @@ MACHINE = Machine(name="m")
 
 
 def profiles(
-    encode_s: float = 0.0, instances: int = 1, per_seq_s: float = 0.0, cache: int = 0
+    encode_s: float = 0.0,
+    instances: int = 1,
+    per_seq_s: float = 0.0,
+    cache: int = 0,
+    image_s: float = 0.0,
+    hit_s: float = 0.0,
 ) -> Profiles:
     """A stage whose cost is exactly what a queueing model assumes, everything else free."""
     common = {"model": "m", "machine": MACHINE}
@@ -30,8 +35,9 @@ def profiles(
             EncodeProfile(
                 **common,
                 base_s=encode_s,
-                image_s=0,
+                image_s=image_s,
                 mpix_s=0,
+                hit_image_s=hit_s,
                 instances=instances,
                 cache_entries=cache,
             ),
@@ -130,6 +136,19 @@ def test_cache_answers_repeated_images() -> None:
     assert p.cache_hit_rate == pytest.approx(1.0, abs=0.01)
     p = simulate(e_pd(2), profiles(encode_s=0.001, cache=0), workload)
     assert p.cache_hit_rate == 0.0
+
+
+def test_a_cached_image_costs_the_encoder_its_decoding() -> None:
+    """An image the cache answers still takes the encoder's time to decode and hash it: the
+    encoder is busy ``rate x hit cost`` once the pool is cached, not idle, and not busy for
+    a whole pass either."""
+    rate, image_s, hit_s = 50.0, 0.01, 0.002
+    workload = images_only(rate, image_pool=20, seed=6)
+    cached = simulate(e_pd(), profiles(image_s=image_s, hit_s=hit_s, cache=20), workload)
+    assert cached.cache_hit_rate == pytest.approx(1.0, abs=0.01)
+    assert cached.utilization["encode"] == pytest.approx(rate * hit_s, rel=0.05)
+    free = simulate(e_pd(), profiles(image_s=image_s, cache=20), workload)
+    assert free.utilization["encode"] < 0.01
 
 
 def test_overload_is_reported_unstable() -> None:
