@@ -128,10 +128,12 @@ def measure_deployment(
     sweep: Sweep,
     timeout_s: float,
     command: str,
+    prefill: PrefillProfile,
     decode: DecodeProfile,
 ) -> tuple[EncodeProfile, HopsProfile]:
-    """The encode and hops profiles; ``decode`` (the engine alone) tells what serving each
-    step through Triton adds."""
+    """The encode and hops profiles; the engine alone (``prefill``, ``decode``) tells what
+    an image adds to prefill beyond its tokens and what serving each step through Triton
+    adds."""
     from epd_bench.quick import embedded
     from orchestrator.families import family_for
     from orchestrator.tracing import read_spans
@@ -161,6 +163,8 @@ def measure_deployment(
         if s["name"] == "epd" and s["parent_id"] is None:
             roots[s["trace_id"]] = s["start_ns"]
     encode_samples, encode_hop, llm_hop, kv, relay, pull = [], [], [], [], [], []
+    text_prefill: list[float] = []
+    image_prefill: list[tuple[tuple[int, int], float]] = []  # less the pull
     for (size, start, end), hit in zip(windows[2:], cached[2:], strict=True):
         trace = next((by_trace[t] for t, begun in roots.items() if start <= begun <= end), None)
         if trace is None:
@@ -173,6 +177,9 @@ def measure_deployment(
             )
             encode_hop.append(trace["call encode"] - trace["encode"])
             pull.append(trace.get("embedding_pull", 0.0))
+            image_prefill.append((size, trace["prefill"] - trace.get("embedding_pull", 0.0)))
+        else:
+            text_prefill.append(trace["prefill"])
         llm_hop.append(trace["call prefill"] - trace["prefill"])
         kv.append(trace["call decode"] - trace["decode"] + trace.get("first_token", 0.0))
         relay.append(
@@ -201,6 +208,10 @@ def measure_deployment(
         max_image_tokens=largest,
         samples=encode_samples,
     )
+    text = _median(text_prefill, "text-only prefill calls")
+    image_input = [
+        t - text - prefill.per_token_s * encode.image_tokens(*size) for size, t in image_prefill
+    ]
     hops = HopsProfile(
         **meta,
         encode_call_s=_median(encode_hop, "encode calls"),
@@ -208,6 +219,7 @@ def measure_deployment(
         kv_transfer_s=_median(kv, "decode calls"),
         token_relay_s=max(0.0, _median(relay, "epd requests")),
         embedding_pull_s=_median(pull, "embedding pulls"),
+        image_input_s=max(0.0, _median(image_input, "prefill calls with an image")),
         step_overhead_s=max(0.0, _median(gaps, "tokens") - decode.base_s - decode.per_seq_s),
     )
     return encode, hops

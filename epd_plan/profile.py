@@ -182,6 +182,11 @@ class HopsProfile(_Profile):
     """From a token leaving the engine to reaching the client."""
     embedding_pull_s: float = Field(default=0, ge=0)
     """Pulling one image's embeddings from its encoder, before the engine gets the prompt."""
+    image_input_s: float = Field(default=0, ge=0)
+    """What the stage fed by handles spends per image beyond pulling its embeddings and
+    prefilling its tokens: checking the handle, vLLM's processing of the embeddings input
+    (the ``prefill`` span of a request with an image minus that of a text-only one, less
+    the pull and the image tokens' prefill)."""
     step_overhead_s: float = Field(default=0, ge=0)
     """What serving a step's outputs through Triton adds to each engine step (the time per
     output token in the deployment minus the engine's own, at one sequence)."""

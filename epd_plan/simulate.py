@@ -157,7 +157,7 @@ def _engine_row(
     if stage in ("pd", "aggregated"):  # one engine: some of its steps also prefill
         row[kernel.P_PREFILL_STEP] = max(0.0, prefill.base_s - decode.base_s)
     if stage in ("pd", "prefill"):  # fed by handles: the engine pulls the embeddings first
-        row[kernel.P_PULL_PER_IMAGE] = hops.embedding_pull_s
+        row[kernel.P_PULL_PER_IMAGE] = hops.embedding_pull_s + hops.image_input_s
     row[kernel.P_PER_REQUEST] = prefill.per_request_s
     row[kernel.P_PER_TOKEN] = prefill.per_token_s
     row[kernel.P_PER_SEQ] = decode.per_seq_s

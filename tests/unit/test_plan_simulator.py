@@ -27,6 +27,7 @@ def profiles(
     cache: int = 0,
     image_s: float = 0.0,
     hit_s: float = 0.0,
+    image_input_s: float = 0.0,
 ) -> Profiles:
     """A stage whose cost is exactly what a queueing model assumes, everything else free."""
     common = {"model": "m", "machine": MACHINE}
@@ -43,7 +44,14 @@ def profiles(
             ),
             PrefillProfile(**common, base_s=0, per_token_s=0, budget_tokens=8192, max_seqs=4096),
             DecodeProfile(**common, base_s=0, per_seq_s=per_seq_s, per_kctx_s=0, max_seqs=4096),
-            HopsProfile(**common, encode_call_s=0, llm_call_s=0, kv_transfer_s=0, token_relay_s=0),
+            HopsProfile(
+                **common,
+                encode_call_s=0,
+                llm_call_s=0,
+                kv_transfer_s=0,
+                token_relay_s=0,
+                image_input_s=image_input_s,
+            ),
         ]
     )
 
@@ -149,6 +157,15 @@ def test_a_cached_image_costs_the_encoder_its_decoding() -> None:
     assert cached.utilization["encode"] == pytest.approx(rate * hit_s, rel=0.05)
     free = simulate(e_pd(), profiles(image_s=image_s, cache=20), workload)
     assert free.utilization["encode"] < 0.01
+
+
+def test_an_images_input_cost_is_on_the_way_to_its_first_token() -> None:
+    """What the engine's stage spends on an image beyond pulling it and prefilling its
+    tokens (vLLM's multimodal input) delays the request's first token by as much."""
+    workload = images_only(1.0, seed=7)  # an idle fleet: no queueing
+    base = simulate(e_pd(), profiles(), workload)
+    slower = simulate(e_pd(), profiles(image_input_s=0.005), workload)
+    assert slower.ttft_s.mean - base.ttft_s.mean == pytest.approx(0.005, rel=0.02)
 
 
 def test_overload_is_reported_unstable() -> None:
