@@ -1,4 +1,5 @@
-"""Prometheus metrics published through Triton's python-backend metric API.
+"""Prometheus metrics published through Triton's python-backend metric API (or, for a
+handler hosted outside Triton, a ``prometheus_client`` registry).
 
 They appear on the hosting server's ``/metrics`` next to Triton's own series, so one scrape
 config covers the whole deployment. Handlers record into plain Python objects; one task on
@@ -15,8 +16,8 @@ import bisect
 import contextlib
 import threading
 import urllib.request
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from orchestrator.config import Topology
@@ -48,6 +49,21 @@ class Histogram:
             running += c
             cumulative.append(running)
         return cumulative, total, running
+
+
+class MetricSink(Protocol):
+    """Where a handler's series go: Triton's metric API (:class:`MetricsPublisher`) or a
+    ``prometheus_client`` registry (:class:`RegistryPublisher`)."""
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None: ...
+
+    def counter(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None: ...
+
+    def histogram(self, name: str, doc: str, **labels: str) -> Histogram: ...
+
+    def start(self, period_s: float = 0.5) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class MetricsPublisher:
@@ -119,6 +135,71 @@ class MetricsPublisher:
                 await self._task
         self._updates.clear()  # metrics go before their families, as Triton requires
         self._families.clear()
+
+
+class RegistryPublisher:
+    """The same families as :class:`MetricsPublisher`, for a handler that runs outside a
+    Triton stub (the OpenAI front runs ``epd``'s pipeline itself): they join a
+    ``prometheus_client`` registry, read when it is scraped, so nothing runs in between."""
+
+    def __init__(self, registry: Any, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+        self._series: list[tuple[str, str, str, dict[str, str], Any]] = []
+        self._before: list[Callable[[], None]] = []
+        registry.register(self)
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None:
+        self._series.append((name, doc, "gauge", labels, read))
+
+    def counter(self, name: str, doc: str, read: Callable[[], float], **labels: str) -> None:
+        """A counter mirroring ``read()``, which must never decrease."""
+        self._series.append((name, doc, "counter", labels, read))
+
+    def histogram(self, name: str, doc: str, **labels: str) -> Histogram:
+        hist = Histogram()
+        self._series.append((name, doc, "histogram", labels, hist))
+        return hist
+
+    def on_publish(self, update: Callable[[], None]) -> None:
+        """Run ``update`` before every scrape (e.g. to take one snapshot)."""
+        self._before.append(update)
+
+    def start(self, period_s: float = 0.5) -> None:
+        """Nothing to do: the series are read when scraped."""
+
+    async def stop(self) -> None:
+        self._registry.unregister(self)
+
+    def collect(self) -> Iterator[Any]:
+        """``prometheus_client``'s collector interface."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        kinds = {
+            "gauge": GaugeMetricFamily,
+            "counter": CounterMetricFamily,
+            "histogram": HistogramMetricFamily,
+        }
+        for update in self._before:
+            update()
+        families: dict[str, Any] = {}
+        for name, doc, kind, own, source in self._series:
+            labels = {**self._labels, **own}
+            family = families.get(name)
+            if family is None:
+                family = families[name] = kinds[kind](name, doc, labels=list(labels))
+            values = list(labels.values())
+            if kind == "histogram":
+                cumulative, total, _ = source.snapshot()
+                bounds = [*map(str, source.bounds), "+Inf"]
+                family.add_metric(values, list(zip(bounds, cumulative, strict=True)), total)
+            else:
+                family.add_metric(values, float(source()))
+        yield from families.values()
 
 
 def publish_engine(metrics: MetricsPublisher, engine: Any, role: str) -> None:

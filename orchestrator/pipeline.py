@@ -1,4 +1,5 @@
-"""The E -> P -> D (or E -> PD) request flow behind the public ``epd`` model.
+"""The E -> P -> D (or E -> PD) request flow behind the public ``epd`` model (hosted by the
+``epd`` Triton model for KServe clients, and by the OpenAI front itself for its own).
 
 Each stage is reached through a gRPC ``StageClient``, over loopback when the stage is
 hosted by this server (decoupled BLS is unsafe in Triton 2.51: ``stage_client.BlsInfer``).
@@ -21,7 +22,7 @@ import numpy as np
 
 from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
-from orchestrator.config import StageName
+from orchestrator.config import StageName, Topology
 from orchestrator.context import RequestContext
 from orchestrator.frontend import (
     DELTA_OUTPUTS,
@@ -32,6 +33,7 @@ from orchestrator.frontend import (
     parse_front_request,
     tensors_delta,
 )
+from orchestrator.metrics import MetricSink
 from orchestrator.protocol import (
     DeadlineExceeded,
     DecodeRequest,
@@ -76,10 +78,7 @@ class EPDPipeline:
     passes again.
     """
 
-    def __init__(self, ctx: ModelContext) -> None:
-        from orchestrator.metrics import MetricsPublisher
-
-        topo = ctx.topology
+    def __init__(self, topo: Topology, server: str, metrics: MetricSink) -> None:
         self.limits = topo.limits
         self.routing = topo.routing
         self.one_engine = topo.one_engine
@@ -91,9 +90,9 @@ class EPDPipeline:
         self.routes: dict[StageName, StageRoute] = {}
         for stage in ("encode", *self.llm_stages):
             targets = {}
-            for name, server in topo.servers_of(stage).items():
+            for name, spec in topo.servers_of(stage).items():
                 if name not in self._clients:
-                    url = server.local_grpc_url if name == ctx.server else server.grpc_url
+                    url = spec.local_grpc_url if name == server else spec.grpc_url
                     self._clients[name] = GrpcStageClient(url, key, topo.routing.resolve_interval_s)
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets, topo.routing.probe_misses_to_down)
@@ -101,7 +100,7 @@ class EPDPipeline:
         self.health = HealthMonitor(
             self.routes.values(), topo.routing.health_interval_s, topo.routing.probe_timeout_s
         )
-        self.metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
+        self.metrics = metrics
         self.seconds = {
             phase: self.metrics.histogram(
                 "epd_request_phase_seconds",
@@ -130,7 +129,17 @@ class EPDPipeline:
 
     @classmethod
     async def create(cls, ctx: ModelContext) -> EPDPipeline:
-        pipeline = cls(ctx)
+        """The ``epd`` Triton model's pipeline, its metrics on that server's ``/metrics``."""
+        from orchestrator.metrics import MetricsPublisher
+
+        metrics = MetricsPublisher(ctx.pb_utils, {"server": ctx.server})
+        return await cls.start(ctx.topology, ctx.server, metrics)
+
+    @classmethod
+    async def start(cls, topology: Topology, server: str, metrics: MetricSink) -> EPDPipeline:
+        """A pipeline on the running loop that calls the stages from ``server`` (its own
+        stages over loopback): in the ``epd`` model, or in the OpenAI front beside it."""
+        pipeline = cls(topology, server, metrics)
         pipeline.metrics.start()
         pipeline.health.start()
         return pipeline

@@ -1,10 +1,13 @@
 """The FastAPI app: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
 
-Each chat request becomes one streaming gRPC call to the public Triton model its
-``model`` names. A client that goes away cancels that call (a stream's generator is
-closed by Starlette, a plain request is raced against the disconnect), and the model
-stops the request in every stage. Errors keep their kind from the stages to the HTTP
-status (``protocol.StageError.http_status``) in OpenAI's error shape.
+A chat request for ``epd`` runs ``epd``'s pipeline in this process: the front calls the
+stages itself, as Dynamo's frontend routes to its workers, instead of relaying every
+token through the ``epd`` Triton model beside it (that hop cost ~15 ms of CPU per request
+and a stage call's latency each way). A request for ``aggregated`` is one streaming gRPC
+call to that model. A client that goes away cancels the request (a stream's generator is
+closed by Starlette, a plain request is raced against the disconnect), which stops it in
+every stage. Errors keep their kind from the stages to the HTTP status
+(``protocol.StageError.http_status``) in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,8 +41,18 @@ from orchestrator.context import RequestContext
 from orchestrator.frontend import DELTA_OUTPUTS, Delta, context_length, tensors_delta
 from orchestrator.openai_server.chat import Answer, generation_defaults, model_inputs
 from orchestrator.openai_server.media import MediaLoader
-from orchestrator.protocol import InvalidRequest, Overloaded, StageError, TooLarge
+from orchestrator.pipeline import EPDPipeline
+from orchestrator.protocol import (
+    DeadlineExceeded,
+    InvalidRequest,
+    Overloaded,
+    StageError,
+    TooLarge,
+)
 from orchestrator.stage_client import GrpcStageClient
+
+log = logging.getLogger(__name__)
+Tensors = dict[str, Any]
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -67,13 +81,15 @@ def stage_error_response(exc: StageError) -> JSONResponse:
 
 
 class ChatService:
-    """What the routes share: the Triton client, names, limits and counters."""
+    """What the routes share: ``epd``'s pipeline, the Triton client, names, limits and
+    counters."""
 
     def __init__(self, topology: Topology, server: str) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         spec = topology.servers[server]
         self.topology = topology
+        self.server = server
         hosted = [m for m in ("epd", "aggregated") if m in spec.stages]
         self.models = {topology.served_model_name: hosted[0], **{m: m for m in hosted}}
         """Names a request may send, and the Triton model each one calls."""
@@ -92,6 +108,12 @@ class ChatService:
         self.max_body_bytes = limits.max_request_bytes * 4 // 3 + (1 << 20)  # base64, JSON
         self.max_running = topology.openai.max_concurrent_requests
         self.running = 0
+        self.pipeline: EPDPipeline | None = None
+        """``epd``'s pipeline, run here (once ``start`` made it) when the server hosts ``epd``."""
+        self.in_flight = 0
+        """``epd`` requests in the pipeline now."""
+        self.stopped = {"cancelled": 0, "deadline": 0}
+        """``epd`` requests stopped before their end, by reason."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "epd_openai_requests",
@@ -111,9 +133,37 @@ class ChatService:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
 
+    async def start(self) -> None:
+        """Start ``epd``'s pipeline (on the running loop, which its gRPC channels belong
+        to), its series on this front's ``/metrics`` as the ``epd`` model has them."""
+        if "epd" not in self.context:
+            return
+        from orchestrator.metrics import RegistryPublisher
+
+        metrics = RegistryPublisher(self.registry, {"server": self.server})
+        metrics.gauge(
+            "epd_requests_in_flight",
+            "Requests this model is working on: its queue depth, what an autoscaler reads",
+            lambda: self.in_flight,
+            model="epd",
+        )
+        for reason in self.stopped:
+            metrics.counter(
+                "epd_requests_stopped_total",
+                "Requests stopped before their end: the client cancelled, or the deadline passed",
+                lambda r=reason: self.stopped[r],
+                model="epd",
+                reason=reason,
+            )
+        self.pipeline = await EPDPipeline.start(self.topology, self.server, metrics)
+
     async def close(self) -> None:
-        await self.media.close()
-        await self.client.close()
+        try:
+            if self.pipeline is not None:
+                await self.pipeline.close()
+        finally:
+            await self.media.close()
+            await self.client.close()
 
     def model_for(self, name: str | None) -> str:
         if not name:
@@ -125,10 +175,44 @@ class ChatService:
         return self.models[name]
 
     async def deltas(self, model: str, inputs: dict, ctx: RequestContext) -> AsyncIterator[Delta]:
-        """The model's steps; closing this generator early cancels the gRPC call."""
-        async with contextlib.aclosing(self.client.call(model, inputs, DELTA_OUTPUTS, ctx)) as rs:
+        """The model's steps; closing this generator early stops the request everywhere."""
+        if model == "epd" and self.pipeline is not None:
+            responses = self._epd(self.pipeline, inputs, ctx)
+        else:
+            responses = self.client.call(model, inputs, DELTA_OUTPUTS, ctx)
+        async with contextlib.aclosing(responses) as rs:
             async for tensors in rs:
                 yield tensors_delta(tensors)
+
+    async def _epd(
+        self, pipeline: EPDPipeline, inputs: Tensors, ctx: RequestContext
+    ) -> AsyncIterator[Tensors]:
+        """``epd``'s responses from the pipeline, with what the ``epd`` model's runner adds:
+        its span, the count of requests in flight and of those stopped, and a short
+        ``INTERNAL`` error for the client when something unexpected fails (the trace goes to
+        the log)."""
+        span = tracing.start("epd", ctx.trace, **{"epd.request_id": ctx.request_id})
+        ctx.trace = tracing.within(span)
+        self.in_flight += 1
+        try:
+            async for tensors in pipeline.generate(inputs, ctx):
+                yield tensors
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            self.stopped["cancelled"] += 1
+            raise
+        except StageError as exc:
+            self.stopped["deadline"] += isinstance(exc, DeadlineExceeded)
+            tracing.failed(span, exc)
+            raise
+        except Exception as exc:
+            log.exception("epd request %s failed", ctx.request_id)
+            tracing.failed(span, exc)
+            raise StageError(
+                f"internal error in epd (request {ctx.request_id}); the server log has the details"
+            ) from None
+        finally:
+            self.in_flight -= 1
+            span.end()
 
 
 def create_app(topology: Topology, server: str) -> FastAPI:
@@ -137,6 +221,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
         tracing.setup(topology.tracing, f"{server}/openai")
         # Built on the server's loop: gRPC's asyncio channel belongs to the loop it is made on.
         app.state.service = ChatService(topology, server)
+        await app.state.service.start()
         yield
         await app.state.service.close()
         tracing.shutdown()

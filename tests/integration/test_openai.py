@@ -180,9 +180,13 @@ def test_a_clients_trace_continues_through_every_server(stack, client):
         time.sleep(0.2)
     [top] = [s for s in spans if s["name"] == "chat.completions"]
     assert top["parent_id"] == client_span and top["instance"] == "front/openai"
+    # epd's pipeline runs in the OpenAI front: no hop through the epd Triton model
+    [epd] = [s for s in spans if s["name"] == "epd"]
+    assert epd["parent_id"] == top["span_id"] and epd["instance"] == "front/openai"
+    assert "call epd" not in names
     instances = {s["instance"] for s in spans}
-    assert {"front/openai", "front/epd", "prefill/prefill", "decode/decode"} <= instances
-    assert {"call epd", "epd", "call prefill", "prefill", "call decode", "decode"} <= names
+    assert {"front/openai", "encoder/encode", "prefill/prefill", "decode/decode"} <= instances
+    assert {"call encode", "call prefill", "prefill", "call decode", "decode"} <= names
 
 
 def test_async_client_streams_the_same(stack, client):
@@ -258,20 +262,23 @@ def _wait(check, timeout_s: float) -> bool:
     return False
 
 
+def _stopped(stack: Deployment) -> float:
+    """``epd`` requests the OpenAI front stopped because the client went away."""
+    from orchestrator.metrics import scrape as read
+
+    front = stack.topology.servers["front"]
+    name = "epd_requests_stopped_total"
+    return read("127.0.0.1", front.openai_port, name, model="epd", reason="cancelled")
+
+
 def _hang_up_stops_every_stage(stack: Deployment, hang_up: Callable[[], None]) -> None:
-    """``hang_up()`` sends a long request and leaves; then every stage must be idle within
-    seconds. Triton 2.51 loses a gRPC cancel now and then (``test_lifecycle.TRIES``): a
-    hang-up ``epd`` never heard of is tried again once that request has run to its end."""
-    stopped = (stack.topology.servers["front"], "epd_requests_stopped_total")
-    for _ in range(4):
-        before = scrape(*stopped, model="epd", reason="cancelled")
-        hang_up()
-        if _wait(lambda b=before: scrape(*stopped, model="epd", reason="cancelled") > b, 3):
-            assert _wait(lambda: _engine_busy(stack) == 0, 5), "stages still busy after hang-up"
-            return
-        print("  Triton 2.51 did not deliver this cancel; the request runs to its end")
-        assert _wait(lambda: _engine_busy(stack) == 0, 120)
-    raise AssertionError("no hang-up of 4 reached epd")
+    """``hang_up()`` sends a long request and leaves: the front stops it (epd's pipeline
+    runs there, so no Triton hop can lose the cancel) and every stage is idle within
+    seconds."""
+    before = _stopped(stack)
+    hang_up()
+    assert _wait(lambda: _stopped(stack) == before + 1, 3), "the front did not stop it"
+    assert _wait(lambda: _engine_busy(stack) == 0, 5), "stages still busy after hang-up"
 
 
 LONG = {
