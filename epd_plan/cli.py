@@ -44,7 +44,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"decode step: {decode.base_s * 1e3:.2f} ms + {decode.per_seq_s * 1e3:.3f} ms/seq; "
         f"hops: encode {hops.encode_call_s * 1e3:.1f}, llm {hops.llm_call_s * 1e3:.1f}, "
         f"kv {hops.kv_transfer_s * 1e3:.1f}, relay {hops.token_relay_s * 1e3:.1f}, pull "
-        f"{hops.embedding_pull_s * 1e3:.1f}/image, image input "
+        f"{hops.embedding_pull_s * 1e3:.1f}/image, request input "
+        f"{hops.request_input_s * 1e3:.1f}, image input "
         f"{hops.image_input_s * 1e3:.1f}/image, step {hops.step_overhead_s * 1e3:.2f} ms"
     )
     return 0

@@ -219,6 +219,7 @@ def measure_deployment(
         kv_transfer_s=_median(kv, "decode calls"),
         token_relay_s=max(0.0, _median(relay, "epd requests")),
         embedding_pull_s=_median(pull, "embedding pulls"),
+        request_input_s=max(0.0, text - prefill.base_s - prefill.per_request_s),
         image_input_s=max(0.0, _median(image_input, "prefill calls with an image")),
         step_overhead_s=max(0.0, _median(gaps, "tokens") - decode.base_s - decode.per_seq_s),
     )

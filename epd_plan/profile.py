@@ -182,6 +182,10 @@ class HopsProfile(_Profile):
     """From a token leaving the engine to reaching the client."""
     embedding_pull_s: float = Field(default=0, ge=0)
     """Pulling one image's embeddings from its encoder, before the engine gets the prompt."""
+    request_input_s: float = Field(default=0, ge=0)
+    """What an engine's stage spends on a request outside the engine's own steps (the prompt
+    tokenised, the request built and checked): a text-only ``prefill`` span less the
+    engine's prefill of a short prompt alone."""
     image_input_s: float = Field(default=0, ge=0)
     """What the stage fed by handles spends per image beyond pulling its embeddings and
     prefilling its tokens: checking the handle, vLLM's processing of the embeddings input

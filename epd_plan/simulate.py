@@ -134,7 +134,7 @@ def _engine_row(
     decode: DecodeProfile = profiles.get("decode", count.machine)
     row = [0.0] * kernel.P_COLUMNS
     row[kernel.P_REPLICAS] = count.replicas
-    row[kernel.P_ENTER_DELAY] = hops.llm_call_s
+    row[kernel.P_ENTER_DELAY] = hops.llm_call_s + hops.request_input_s
     if stage == "decode":
         row[kernel.P_ROLE] = kernel.ROLE_DECODE
         row[kernel.P_BUDGET] = max(prefill.budget_tokens, decode.max_seqs)

@@ -28,6 +28,7 @@ def profiles(
     image_s: float = 0.0,
     hit_s: float = 0.0,
     image_input_s: float = 0.0,
+    request_input_s: float = 0.0,
 ) -> Profiles:
     """A stage whose cost is exactly what a queueing model assumes, everything else free."""
     common = {"model": "m", "machine": MACHINE}
@@ -51,6 +52,7 @@ def profiles(
                 kv_transfer_s=0,
                 token_relay_s=0,
                 image_input_s=image_input_s,
+                request_input_s=request_input_s,
             ),
         ]
     )
@@ -166,6 +168,15 @@ def test_an_images_input_cost_is_on_the_way_to_its_first_token() -> None:
     base = simulate(e_pd(), profiles(), workload)
     slower = simulate(e_pd(), profiles(image_input_s=0.005), workload)
     assert slower.ttft_s.mean - base.ttft_s.mean == pytest.approx(0.005, rel=0.02)
+
+
+def test_a_requests_input_cost_is_on_the_way_to_its_first_token() -> None:
+    """What the engine's stage spends on any request outside the engine (tokenising the
+    prompt, building the request) delays a text-only request's first token too."""
+    workload = images_only(1.0, seed=8).model_copy(update={"image_share": 0.0})
+    base = simulate(e_pd(), profiles(), workload)
+    slower = simulate(e_pd(), profiles(request_input_s=0.003), workload)
+    assert slower.ttft_s.mean - base.ttft_s.mean == pytest.approx(0.003, rel=0.02)
 
 
 def test_overload_is_reported_unstable() -> None:
