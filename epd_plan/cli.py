@@ -46,7 +46,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"kv {hops.kv_transfer_s * 1e3:.1f}, relay {hops.token_relay_s * 1e3:.1f}, pull "
         f"{hops.embedding_pull_s * 1e3:.1f}/image, request input "
         f"{hops.request_input_s * 1e3:.1f}, image input "
-        f"{hops.image_input_s * 1e3:.1f}/image, step {hops.step_overhead_s * 1e3:.2f} ms"
+        f"{hops.image_input_s * 1e3:.1f}/image, step {hops.step_overhead_s * 1e3:.2f} ms + "
+        f"{hops.step_overhead_per_seq_s * 1e3:.2f} ms/seq"
     )
     return 0
 

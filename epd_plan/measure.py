@@ -12,8 +12,9 @@ Two parts, one after the other so they never share the cores:
    ``encode`` span on the encoder, for an image encoded and for one the cache answered)
    and what every hop adds around the stages (``call X`` minus ``X``, the embedding pull,
    the decode side's first token, what the front adds), and the gaps between tokens at
-   the client, against the engine's own step, what serving each step through Triton adds
-   -- the encode and hops profiles.
+   the client, one request alone and several at once, against the engine's own steps,
+   what serving a step and each sequence's token through Triton adds -- the encode and
+   hops profiles.
 """
 
 from __future__ import annotations
@@ -94,11 +95,40 @@ def _fit_encode(samples: list[EncodeSample], what: str) -> list[float]:
     return fit([[1.0, s.width * s.height / 1e6] for s in samples], [s.latency_s for s in samples])
 
 
+STEP_BATCH = 4
+"""Text-only requests sent at once to measure what serving adds per sequence of a step."""
+
+
+def _gaps_together(samples: list) -> list[float]:
+    """The gaps between tokens while every one of ``samples`` (started together) was
+    decoding: steps of the whole batch, not of its stragglers."""
+    first = max(s.start + s.piece_times[1] for s in samples)
+    last = min(s.start + s.piece_times[-1] for s in samples)
+    gaps = []
+    for s in samples:
+        times = [s.start + t for t in s.piece_times if first <= s.start + t <= last]
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    return gaps
+
+
+def serving_overheads(
+    alone_gap_s: float, batch_gap_s: float, batch: int, decode: DecodeProfile
+) -> tuple[float, float]:
+    """What serving adds to an engine step, per step and per sequence in it: the gaps
+    between tokens at the client (one request alone, ``batch`` at once) less the engine's
+    own decode step at those batch sizes, fitted as ``step + per_seq * batch``."""
+    alone = alone_gap_s - decode.base_s - decode.per_seq_s
+    together = batch_gap_s - decode.base_s - decode.per_seq_s * batch
+    per_seq = max(0.0, (together - alone) / (batch - 1))
+    return max(0.0, alone - per_seq), per_seq
+
+
 async def _send_all(
-    url: str, requests: list[tuple[tuple[int, int], bytes | None]]
-) -> tuple[list, list[float]]:
-    """Each request alone (concurrency 1); returns (size, start_ns, end_ns) per request and
-    the gaps between the tokens of the text-only ones."""
+    url: str, requests: list[tuple[tuple[int, int], bytes | None]], rounds: int
+) -> tuple[list, list[float], list[float]]:
+    """Each request alone (concurrency 1), then ``rounds`` of ``STEP_BATCH`` text-only
+    requests at once; returns (size, start_ns, end_ns) per lone request, the gaps between
+    the tokens of the lone text-only ones and those of the batches."""
     import itertools
 
     from tritonclient.grpc.aio import InferenceServerClient
@@ -119,7 +149,16 @@ async def _send_all(
             windows.append((size, start, time.time_ns()))
             if not image:
                 gaps += [b - a for a, b in itertools.pairwise(sample.piece_times)]
-    return windows, gaps
+        batch_gaps = []
+        for r in range(rounds):
+            batch = [LoadRequest("text", f"Tell #{r}.{k}.", ()) for k in range(STEP_BATCH)]
+            samples = await asyncio.gather(
+                *(stream_request(client, "epd", b, sampling, 120) for b in batch)
+            )
+            if failed := [s.error for s in samples if s.error]:
+                raise RuntimeError(f"profiling request failed: {failed[0]}")
+            batch_gaps += _gaps_together(samples)
+    return windows, gaps, batch_gaps
 
 
 def measure_deployment(
@@ -153,7 +192,7 @@ def measure_deployment(
     cached = [i >= len(requests) - len(photos) for i in range(len(requests))]
     with embedded(topology, timeout_s, traces=True) as running:
         url = running.server_of("epd")[1].grpc_url
-        windows, gaps = asyncio.run(_send_all(url, requests))
+        windows, gaps, batch_gaps = asyncio.run(_send_all(url, requests, sweep.repeats))
         time.sleep(1.0)  # the last spans are written when their servers end them
         spans = read_spans(running.tracing.directory)
     by_trace: dict[str, dict[str, float]] = {}
@@ -209,6 +248,12 @@ def measure_deployment(
         samples=encode_samples,
     )
     text = _median(text_prefill, "text-only prefill calls")
+    step, per_seq = serving_overheads(
+        _median(gaps, "tokens"),
+        _median(batch_gaps, f"tokens of {STEP_BATCH} requests at once"),
+        STEP_BATCH,
+        decode,
+    )
     image_input = [
         t - text - prefill.per_token_s * encode.image_tokens(*size) for size, t in image_prefill
     ]
@@ -221,7 +266,8 @@ def measure_deployment(
         embedding_pull_s=_median(pull, "embedding pulls"),
         request_input_s=max(0.0, text - prefill.base_s - prefill.per_request_s),
         image_input_s=max(0.0, _median(image_input, "prefill calls with an image")),
-        step_overhead_s=max(0.0, _median(gaps, "tokens") - decode.base_s - decode.per_seq_s),
+        step_overhead_s=step,
+        step_overhead_per_seq_s=per_seq,
     )
     return encode, hops
 

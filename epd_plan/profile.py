@@ -192,8 +192,12 @@ class HopsProfile(_Profile):
     (the ``prefill`` span of a request with an image minus that of a text-only one, less
     the pull and the image tokens' prefill)."""
     step_overhead_s: float = Field(default=0, ge=0)
-    """What serving a step's outputs through Triton adds to each engine step (the time per
-    output token in the deployment minus the engine's own, at one sequence)."""
+    """What serving a step's outputs through Triton adds to each engine step, whatever its
+    size (with ``step_overhead_per_seq_s``, fitted to the time per output token in the
+    deployment less the engine's own, one request alone and several at once)."""
+    step_overhead_per_seq_s: float = Field(default=0, ge=0)
+    """What serving adds to a step per sequence in it: each token's trip through the stage's
+    Python and Triton to the client, on the cores the engine steps on."""
 
 
 Profile = Annotated[

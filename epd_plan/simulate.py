@@ -161,6 +161,8 @@ def _engine_row(
     row[kernel.P_PER_REQUEST] = prefill.per_request_s
     row[kernel.P_PER_TOKEN] = prefill.per_token_s
     row[kernel.P_PER_SEQ] = decode.per_seq_s
+    if stage != "prefill":  # each running sequence's token is served through Triton
+        row[kernel.P_PER_SEQ] += hops.step_overhead_per_seq_s
     row[kernel.P_PER_KCTX] = decode.per_kctx_s
     return row
 

@@ -226,6 +226,23 @@ def test_cli_plans_and_writes_a_topology(tmp_path: Path, capsys) -> None:
     assert "rate_rps" in capsys.readouterr().err
 
 
+def test_serving_cost_per_sequence_is_told_from_the_per_step_one() -> None:
+    """``epd plan profile`` splits what serving adds to a step (the client's gap between
+    tokens less the engine's own step) into a per-step and a per-sequence part from one
+    request alone and four at once."""
+    from epd_plan.measure import serving_overheads
+
+    decode = DecodeProfile(
+        model="m", machine=CPU, base_s=0.006, per_seq_s=1e-4, per_kctx_s=0, max_seqs=64
+    )
+    step, per_seq = 0.001, 0.0005
+    alone = decode.base_s + decode.per_seq_s + step + per_seq
+    four = decode.base_s + 4 * decode.per_seq_s + step + 4 * per_seq
+    assert serving_overheads(alone, four, 4, decode) == pytest.approx((step, per_seq))
+    # a batch served faster than one alone (noise) is no negative cost
+    assert serving_overheads(alone, alone, 4, decode) == (pytest.approx(step + per_seq), 0.0)
+
+
 def test_one_host_shares_its_cores_between_encoder_and_engine() -> None:
     """A single box (E+PD, one of each): an encoder pass and an engine step that overlap run
     at half speed each; with nothing to overlap the box is as fast as two machines."""

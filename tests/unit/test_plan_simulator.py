@@ -29,6 +29,7 @@ def profiles(
     hit_s: float = 0.0,
     image_input_s: float = 0.0,
     request_input_s: float = 0.0,
+    serving_per_seq_s: float = 0.0,
 ) -> Profiles:
     """A stage whose cost is exactly what a queueing model assumes, everything else free."""
     common = {"model": "m", "machine": MACHINE}
@@ -53,6 +54,7 @@ def profiles(
                 token_relay_s=0,
                 image_input_s=image_input_s,
                 request_input_s=request_input_s,
+                step_overhead_per_seq_s=serving_per_seq_s,
             ),
         ]
     )
@@ -119,9 +121,12 @@ def test_md1_encoder_wait() -> None:
     assert p.encode_wait_s.mean == pytest.approx(rho * mean_s / (2 * (1 - rho)), rel=0.05)
 
 
-def test_decode_is_processor_sharing() -> None:
+@pytest.mark.parametrize("cost", ["engine", "serving"])
+def test_decode_is_processor_sharing(cost: str) -> None:
     """Steps of ``per_seq_s x running`` share one token rate among the running sequences:
-    with geometric lengths, an M/M/1-PS queue (mean sojourn S / (1 - rho))."""
+    with geometric lengths, an M/M/1-PS queue (mean sojourn S / (1 - rho)). The cost per
+    sequence is the engine's own or that of serving each sequence's token: both slow the
+    step the same way."""
     per_seq_s, mean_out, rho = 0.001, 200, 0.6
     service = (mean_out - 1) * per_seq_s
     lam = rho / service
@@ -135,7 +140,8 @@ def test_decode_is_processor_sharing() -> None:
         warmup_s=1_000 / lam,
         seed=4,
     )
-    p = simulate(e_pd(), profiles(per_seq_s=per_seq_s), workload)
+    per_seq = {"per_seq_s" if cost == "engine" else "serving_per_seq_s": per_seq_s}
+    p = simulate(e_pd(), profiles(**per_seq), workload)
     assert p.latency_s.mean == pytest.approx(service / (1 - rho), rel=0.06)
 
 
