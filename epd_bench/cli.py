@@ -167,9 +167,14 @@ def cmd_bench_openai(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir) if args.workdir else openai_peer.default_workdir()
     workdir.mkdir(parents=True, exist_ok=True)
+    kinds = tuple(args.kinds.split(","))
+    if unknown := set(kinds) - set(openai_peer.ALL_KINDS):
+        print(f"epd bench openai: unknown --kinds {sorted(unknown)}", file=sys.stderr)
+        return 2
     results = openai_peer.run(
-        topology_of(args), args.prompts, args.warmups, args.concurrency, args.repeats, workdir
-    )
+        topology_of(args), args.prompts, args.warmups, args.concurrency, args.repeats, workdir,
+        kinds,
+    )  # fmt: skip
     print(openai_peer.format_report(results))
     openai_peer.write(results, Path(args.out), " ".join(sys.argv))
     print(f"wrote {args.out}")
@@ -343,6 +348,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     peer.add_argument("--warmups", type=int, default=12, help="requests before each run")
     peer.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     peer.add_argument("--repeats", type=int, default=3, help="runs per peer and kind")
+    peer.add_argument(
+        "--kinds",
+        default="photo,text,mixed",
+        help="workloads, comma-separated: photo, text, mixed (text measured beside photos)",
+    )
     peer.add_argument("--workdir", help="where servers log and runs write (default: a temp dir)")
     peer.add_argument("--out", default=".cache/bench/openai.json", help="JSON report path")
     peer.set_defaults(func=cmd_bench_openai)

@@ -6,19 +6,23 @@ Back to back on one box: first our deployment (the embedded topology on free por
 tells the front's own cost from the disaggregation's), then ``vllm serve`` with the engine
 settings our engines use; never both up at once, so neither pays for the other's idle
 loops. Each kind of request is its own workload, so its numbers are its own: photos (one
-synthetic image per request, every one distinct: no cache hits) and text only; warm-up
-requests excluded; a few repeats per peer give the spread.
+synthetic image per request, every one distinct: no cache hits), text only, and ``mixed``:
+text-only requests measured while photo requests keep half the concurrency busy (what a text
+user feels beside photo traffic, the reason to move the vision tower off the engine);
+warm-up requests excluded; a few repeats per peer give the spread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -39,6 +43,11 @@ KINDS = {
     "photo": ["--random-mm-base-items-per-request", "1"],
     "text": ["--random-mm-base-items-per-request", "0"],
 }
+"""``vllm bench serve``'s arguments for each single-kind workload."""
+
+MIXED = "mixed"
+"""Text requests (``vllm bench serve``) measured under :class:`PhotoLoad`."""
+ALL_KINDS = (*KINDS, MIXED)
 
 
 def vllm_serve_command(topology: Topology, port: int, served_name: str) -> list[str]:
@@ -188,6 +197,118 @@ def aiperf_profile(
     return json.loads((out / "profile_export_aiperf.json").read_text())
 
 
+PHOTO_LOAD_SIDE = 336
+"""The background photos' size, the ``photo`` workload's (``random-mm`` 336x336)."""
+
+
+class PhotoLoad:
+    """Photo chat requests kept in flight against an OpenAI endpoint, from a thread of its
+    own, while something else is measured: every photo distinct (a real photo rolled by a
+    serial, then sized like the ``photo`` workload's), 16 tokens each.
+
+    Entering waits until the first photo has been answered, so the measured requests all
+    meet a busy server; leaving stops sending and waits for the photos in flight."""
+
+    def __init__(self, base_url: str, served_name: str, concurrency: int) -> None:
+        self.base_url, self.served_name, self.concurrency = base_url, served_name, concurrency
+        self.completed = self.failed = 0
+        self.errors: list[str] = []
+        self._answered = threading.Event()
+        self._stop = threading.Event()
+        self._serial = 0
+        self._thread = threading.Thread(target=self._run, name="photo-load", daemon=True)
+        self._window: tuple[float, int] = (0.0, 0)
+
+    def __enter__(self) -> PhotoLoad:
+        self._thread.start()
+        if not self._answered.wait(600) or not self.completed:
+            self._stop.set()
+            raise RuntimeError(f"photo load got no answer: {self.errors[:3]}")
+        self._window = (time.perf_counter(), self.completed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(600)
+
+    def rate(self) -> float:
+        """Photos answered per second since entering (while the measured requests ran)."""
+        start, done = self._window
+        return (self.completed - done) / max(time.perf_counter() - start, 1e-9)
+
+    def _photo(self) -> str:
+        import base64
+        import io
+
+        from PIL import Image
+
+        from epd_bench.load import PHOTOS
+        from epd_bench.photos import photo_variant
+
+        self._serial += 1
+        raw = photo_variant(PHOTOS[self._serial % len(PHOTOS)], 100_000 + self._serial)
+        image = Image.open(io.BytesIO(raw)).resize((PHOTO_LOAD_SIDE, PHOTO_LOAD_SIDE))
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG")
+        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    def _run(self) -> None:
+        import asyncio
+
+        import httpx
+
+        async def worker(client: httpx.AsyncClient) -> None:
+            while not self._stop.is_set():
+                body = {
+                    "model": self.served_name,
+                    "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": self._photo()}},
+                        {"type": "text", "text": f"Describe this photo ({self._serial})."},
+                    ]}],
+                    "max_tokens": 16, "ignore_eos": True, "temperature": 0,
+                }  # fmt: skip
+                try:
+                    reply = await client.post("/v1/chat/completions", json=body)
+                    reply.raise_for_status()
+                    self.completed += 1
+                except httpx.HTTPError as exc:
+                    self.failed += 1
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                self._answered.set()
+
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=600) as client:
+                await asyncio.gather(*(worker(client) for _ in range(self.concurrency)))
+
+        asyncio.run(main())
+
+
+def bench_mixed(
+    base_url: str,
+    model: Path,
+    served_name: str,
+    prompts: int,
+    warmups: int,
+    concurrency: int,
+    out: Path,
+    seed: int = 0,
+) -> dict:
+    """Text requests at half the concurrency (``vllm bench serve``) while :class:`PhotoLoad`
+    keeps the other half busy; the text run's result JSON, with the photo load's count,
+    failures and rate during it under ``photo_load``."""
+    photos = max(1, concurrency // 2)
+    with PhotoLoad(base_url, served_name, photos) as load:
+        result = bench_serve(
+            base_url, model, served_name, "text", prompts, warmups,
+            max(1, concurrency - photos), out, seed,
+        )  # fmt: skip
+        result["photo_load"] = {
+            "concurrency": photos, "req_per_s": load.rate(),
+            "completed": load.completed, "failed": load.failed, "errors": load.errors[:3],
+        }  # fmt: skip
+    return result
+
+
 @dataclass
 class PeerResult:
     peer: str
@@ -207,17 +328,28 @@ class PeerResult:
 
 
 def _summary(result: dict) -> dict:
-    return {
+    summary = {
         "req_per_s": result["request_throughput"],
         "ttft_p50_ms": result["p50_ttft_ms"],
         "ttft_p90_ms": result["p90_ttft_ms"],
         "completed": result["completed"],
         "failed": result.get("failed", 0),
     }
+    if "photo_load" in result:
+        load = result["photo_load"]
+        summary["photo_load_req_per_s"] = load["req_per_s"]
+        summary["failed"] += load["failed"]
+    return summary
 
 
 def run(
-    topology: Topology, prompts: int, warmups: int, concurrency: int, repeats: int, workdir: Path
+    topology: Topology,
+    prompts: int,
+    warmups: int,
+    concurrency: int,
+    repeats: int,
+    workdir: Path,
+    kinds: tuple[str, ...] = ALL_KINDS,
 ) -> list[PeerResult]:
     """Ours, then ``vllm serve``: ``repeats`` runs of each kind against each."""
     from orchestrator.triton.deployment import Deployment, on_free_ports
@@ -227,14 +359,16 @@ def run(
     results: list[PeerResult] = []
 
     def measure(peer: str, base_url: str, pids: dict[str, int], model: str = name) -> None:
-        for kind in KINDS:
+        for kind in kinds:
             runs = []
             for i in range(repeats):
                 out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
                 before = {server: tree_cpu_s(pid) for server, pid in pids.items()}
-                result = bench_serve(
-                    base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
-                )
+                bench = bench_mixed if kind == MIXED else functools.partial(bench_serve, kind=kind)
+                result = bench(
+                    base_url, topology.model, model, prompts=prompts, warmups=warmups,
+                    concurrency=concurrency, out=out, seed=i,
+                )  # fmt: skip
                 runs.append(_summary(result))
                 runs[-1]["cpu_ms"] = {
                     server: round((tree_cpu_s(pid) - before[server]) * 1e3 / (prompts + warmups), 2)
@@ -273,9 +407,20 @@ def format_report(results: list[PeerResult]) -> str:
         ]
         total = statistics.median(sum(run["cpu_ms"].values()) for run in r.runs)
         lines.append(f"  {r.kind:6s} {r.peer:12s} total {total:6.1f}: " + ", ".join(cells))
+    if any(r.kind == MIXED for r in results):
+        lines.append(
+            f"{MIXED}: text requests while photos keep half the concurrency busy "
+            "(photos/s meanwhile: "
+            + ", ".join(
+                f"{r.peer} {r.median('photo_load_req_per_s'):.2f}"
+                for r in results
+                if r.kind == MIXED
+            )
+            + ")"
+        )
     lines.append("ratios to vllm serve (medians):")
     for ours_name in ("epd", "aggregated"):
-        for kind in KINDS:
+        for kind in ALL_KINDS:
             ours, peer = by.get((ours_name, kind)), by.get(("vllm serve", kind))
             if ours and peer:
                 lines.append(

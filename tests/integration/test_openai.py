@@ -357,6 +357,18 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
     assert result["total_output_tokens"] == 6 * 16
 
 
+def test_text_is_measured_while_photos_are_answered(stack, vllm_serve, tmp_path):
+    """``epd bench openai``'s mixed workload: the text run happens while the photo load is
+    answered (against ``vllm serve``: this module's front takes one request at a time)."""
+    result = openai_peer.bench_mixed(
+        vllm_serve.removesuffix("/v1"), stack.topology.model, "tiny",
+        prompts=6, warmups=1, concurrency=2, out=tmp_path / "result.json",
+    )  # fmt: skip
+    load = result["photo_load"]
+    assert result["completed"] == 6 and not result.get("failed"), result.get("errors")
+    assert load["failed"] == 0 and load["req_per_s"] > 0, load
+
+
 def test_aiperf_runs_against_it(stack, tmp_path):
     """NVIDIA's AIPerf (chat, streaming, synthetic images) runs without an error."""
     result = openai_peer.aiperf_profile(
