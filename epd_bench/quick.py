@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from epd_bench.photos import photo_variant
 from epd_bench.schema import machine_info, package_version
 from orchestrator.config import Topology
-from orchestrator.triton.deployment import on_free_ports
+from orchestrator.triton.deployment import Deployment, on_free_ports
 
 MODELS = ("epd", "aggregated")
 KINDS = ("image", "text")
@@ -373,18 +373,25 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def embedded(topology: Topology, timeout_s: float, traces: bool = False) -> Iterator[Topology]:
-    """Run ``topology`` on free ports in a throwaway workdir; yield it as it runs. With
-    ``traces``, every server writes its spans to ``tracing.directory`` in that workdir.
+def embedded_deployment(
+    topology: Topology, timeout_s: float, traces: bool = False
+) -> Iterator[Deployment]:
+    """Run ``topology`` on free ports in a throwaway workdir; yield the running deployment.
+    With ``traces``, every server writes its spans to ``tracing.directory`` in that workdir.
 
     The deployment is always stopped, whatever happens inside.
     """
-    from orchestrator.triton.deployment import Deployment
-
     topology = on_free_ports(topology)
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as workdir:
         if traces:
             tracing = topology.tracing.model_copy(update={"directory": Path(workdir) / "traces"})
             topology = topology.model_copy(update={"tracing": tracing})
-        with Deployment(topology, Path(workdir)).running(timeout_s):
-            yield topology
+        with Deployment(topology, Path(workdir)).running(timeout_s) as deployment:
+            yield deployment
+
+
+@contextlib.contextmanager
+def embedded(topology: Topology, timeout_s: float, traces: bool = False) -> Iterator[Topology]:
+    """``embedded_deployment``, yielding the topology it runs (its ports, its trace folder)."""
+    with embedded_deployment(topology, timeout_s, traces) as deployment:
+        yield deployment.topology

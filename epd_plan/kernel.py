@@ -26,6 +26,12 @@ those arrays from the planner's dataclasses and reads the results back. The mode
   itself, the first one included, as vLLM's disaggregated prefill does.
 - Fixed delays between hops: the stage calls' overhead measured by the traces, pulling each
   image's embeddings, and the KV transfer from prefill to decode.
+- On one host (``one_host``) the encoder's pass, the engines' steps and the serving path
+  share the cores: each hop's delay is also work of a serving job (the stages' Python, the
+  front's relay: one thread), so a request's hops slow the steps of the others as they do
+  on a real box. An engine's step wants every core (its OpenMP threads), the encoder's
+  pass as many as it was measured to keep busy, the serving path one; when together they
+  want more than the box has, every busy job slows alike.
 
 Times and sizes are float64 seconds and int64 counts; results are histograms.
 """
@@ -64,6 +70,13 @@ P_PULL_PER_IMAGE = 11  # per image, before joining: pulling its embeddings
 P_PREFILL_STEP = 12  # what a step carrying prefill tokens costs beyond a decode-only step
 P_COLUMNS = 13
 
+# Rows of the shared host's ``jobs`` array (one column per job).
+J_ACTIVE = 0  # 1.0 while the job has work
+J_LEFT = 1  # seconds of work left at full speed
+J_GEN = 2  # generation of its scheduled end (older end events are stale)
+J_WIDTH = 3  # threads it wants
+J_ROWS = 4
+
 # Result histograms: log-spaced bins from 1 us to ~1e4 s.
 HIST_BINS = 2400
 HIST_LO = 1e-6
@@ -92,8 +105,11 @@ def _bin(value: float) -> int:
 @numba.njit(cache=True, error_model="numpy")
 def _push(ev_t, ev_v, ev_n, t, kind, a, b):
     """Add an event to the queue: a binary min-heap on (time, packed kind/a/b) in arrays,
-    sized for the most events that can be pending (one per request and per replica)."""
+    sized for the most events that can be pending (one per request and per replica, and
+    the shared host's stale ends); numba does not check bounds, so this does."""
     i = ev_n[0]
+    if i >= ev_t.shape[0]:
+        raise IndexError("event queue full")
     ev_n[0] = i + 1
     v = (np.int64(kind) << 59) | (np.int64(a) << 24) | np.int64(b)
     while i > 0:
@@ -226,41 +242,55 @@ def _run_pop(run_key, run_req, run_size, replica):
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _host_change(t, job, work, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n):
-    """On the shared host, ``job`` starts ``work`` seconds of work (``work`` < 0: it ends).
-    Everyone's progress so far is booked at the old share; every busy job's end is then
-    rescheduled at the new one (a new generation: its earlier end event is stale)."""
-    busy = 0
-    for k in range(job_active.shape[0]):
-        busy += job_active[k]
-    if busy > 0:
-        done = (t - host[0]) / busy
-        for k in range(job_active.shape[0]):
-            if job_active[k]:
-                job_left[k] = max(0.0, job_left[k] - done)
-    host[0] = t
-    job_active[job] = work >= 0
-    job_left[job] = max(work, 0.0)
-    busy = 0
-    for k in range(job_active.shape[0]):
-        busy += job_active[k]
-    for k in range(job_active.shape[0]):
-        if job_active[k]:
-            job_gen[k] = (job_gen[k] + 1) & 0xFFFFFF
-            if k == 0:
-                _push(
-                    ev_t, ev_v, ev_n, t + job_left[k] * busy, ENCODE_DONE, int(host[1]), job_gen[k]
-                )
-            else:
-                _push(ev_t, ev_v, ev_n, t + job_left[k] * busy, HOST_STEP_END, k - 1, job_gen[k])
+def _host_speed(jobs, cores):
+    """How fast every busy job on the shared host runs: all of them at full speed while
+    their threads fit the cores, else all slowed alike to share them."""
+    wanted = 0.0
+    for k in range(jobs.shape[1]):
+        wanted += jobs[J_ACTIVE, k] * jobs[J_WIDTH, k]
+    return 1.0 if wanted <= cores else cores / wanted
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _start_step(
-    t, p, replica, duration, one_host, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
-):
+def _host_change(t, job, work, more, jobs, host, ev_t, ev_v, ev_n):
+    """On the shared host, ``job`` starts ``work`` seconds of work (``work`` < 0: it ends;
+    ``more``: the work is added to what it has left). Everyone's progress so far is booked
+    at the old speed; every busy job's end is then rescheduled at the new one (a new
+    generation: its earlier end event is stale)."""
+    done = (t - host[0]) * _host_speed(jobs, host[2])
+    for k in range(jobs.shape[1]):
+        if jobs[J_ACTIVE, k]:
+            jobs[J_LEFT, k] = max(0.0, jobs[J_LEFT, k] - done)
+    host[0] = t
+    if more:
+        jobs[J_LEFT, job] = jobs[J_ACTIVE, job] * jobs[J_LEFT, job] + work
+        jobs[J_ACTIVE, job] = 1.0
+    else:
+        jobs[J_ACTIVE, job] = 1.0 if work >= 0 else 0.0
+        jobs[J_LEFT, job] = max(work, 0.0)
+    speed = _host_speed(jobs, host[2])
+    for k in range(jobs.shape[1]):
+        if jobs[J_ACTIVE, k]:
+            gen = (int(jobs[J_GEN, k]) + 1) & 0xFFFFFF
+            jobs[J_GEN, k] = gen
+            end = t + jobs[J_LEFT, k] / speed
+            if k == 0:
+                _push(ev_t, ev_v, ev_n, end, ENCODE_DONE, int(host[1]), gen)
+            else:
+                _push(ev_t, ev_v, ev_n, end, HOST_STEP_END, k - 1, gen)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _serve(t, work, one_host, jobs, host, ev_t, ev_v, ev_n):
+    """A hop's ``work`` seconds for the serving job, the last one (on one host only)."""
+    if one_host and work > 0:
+        _host_change(t, jobs.shape[1] - 1, work, True, jobs, host, ev_t, ev_v, ev_n)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _start_step(t, p, replica, duration, one_host, jobs, host, ev_t, ev_v, ev_n):
     if one_host:
-        _host_change(t, 1 + p, duration, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
+        _host_change(t, 1 + p, duration, False, jobs, host, ev_t, ev_v, ev_n)
     else:
         _push(ev_t, ev_v, ev_n, t + duration, STEP_END, p, replica)
 
@@ -293,6 +323,8 @@ def run(
     token_delay_s,
     max_inflight,
     one_host,
+    host_cores,
+    host_widths,
 ):
     """Simulate the arrivals of ``duration_s`` (those before ``warmup_s`` are not measured)
     and run until every request is answered. Returns the histograms (rows: TTFT, TPOT,
@@ -361,19 +393,21 @@ def run(
     counters = np.zeros(C_COLUMNS, np.int64)
     cum = np.cumsum(res_probs)
 
-    capacity = max_inflight + n_pools * max_rep + 2 + (64 * (n_pools + 1) if one_host else 0)
+    capacity = max_inflight + n_pools * max_rep + 2 + (64 * (n_pools + 2) if one_host else 0)
     ev_t = np.zeros(capacity)
     ev_v = np.zeros(capacity, np.int64)
     ev_n = np.zeros(1, np.int64)
 
     # One shared host (``one_host``: one encoder, one replica per pool, all on the same
-    # cores): job 0 is the encoder's pass, job 1 + p a step of pool p. Each wants every
-    # core (ONNX Runtime's and vLLM's threads), so n busy jobs each run at 1/n speed:
-    # processor sharing, with completions rescheduled whenever n changes.
-    job_active = np.zeros(n_pools + 1, np.bool_)
-    job_left = np.zeros(n_pools + 1)  # seconds of work left at full speed
-    job_gen = np.zeros(n_pools + 1, np.int64)
-    host = np.zeros(2)  # [time of the last update, request the encoder is serving]
+    # ``host_cores`` cores): job 0 is the encoder's pass, job 1 + p a step of pool p, job
+    # 1 + n_pools the serving path's backlog (the hops' work), each keeping
+    # ``host_widths`` of the cores busy. When they want more than there is, every busy job
+    # slows alike (two jobs wanting every core: half speed each), and completions are
+    # rescheduled whenever that changes.
+    jobs = np.zeros((J_ROWS, n_pools + 2))
+    jobs[J_WIDTH, :] = host_widths
+    # [time of the last update, request the encoder is serving, cores]
+    host = np.array([0.0, 0.0, float(host_cores)])
     # The next arrival waits beside the heap, not in it: a fifth of all events, each
     # spared a push and a pop.
     next_arrival = np.random.exponential(1.0 / rate)
@@ -429,9 +463,12 @@ def run(
             if n_img > 0 and encode_servers > 0:
                 mean = encode_base_s + work
                 r_service[r] = np.random.exponential(mean) if encode_exponential else mean
-                _push(ev_t, ev_v, ev_n, t + encode_enter_delay_s, ENCODE_JOIN, r, b)
+                delay = encode_enter_delay_s
+                _push(ev_t, ev_v, ev_n, t + delay, ENCODE_JOIN, r, b)
             else:
-                _push(ev_t, ev_v, ev_n, t + pools[0, P_ENTER_DELAY], ENTER_POOL, r, b)
+                delay = pools[0, P_ENTER_DELAY]
+                _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, r, b)
+            _serve(t, delay, one_host, jobs, host, ev_t, ev_v, ev_n)
         elif kind == ENCODE_JOIN:
             if enc_idle > 0:
                 enc_idle -= 1
@@ -440,9 +477,7 @@ def run(
                     hist[3, _bin(0.0)] += 1
                 if one_host:
                     host[1] = a
-                    _host_change(
-                        t, 0, r_service[a], job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
-                    )
+                    _host_change(t, 0, r_service[a], False, jobs, host, ev_t, ev_v, ev_n)
                 else:
                     _push(ev_t, ev_v, ev_n, t + r_service[a], ENCODE_DONE, a, b)
             else:
@@ -451,9 +486,9 @@ def run(
                 enc_len += 1
         elif kind == ENCODE_DONE:
             if one_host:
-                if b != job_gen[0]:
+                if b != int(jobs[J_GEN, 0]):
                     continue  # rescheduled since
-                _host_change(t, 0, -1.0, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
+                _host_change(t, 0, -1.0, False, jobs, host, ev_t, ev_v, ev_n)
             if enc_len > 0:  # the first waiting request takes the server
                 q = enc_queue[enc_head]
                 enc_head = (enc_head + 1) % max_inflight
@@ -464,15 +499,14 @@ def run(
                     sums[3] += t - r_joined[q]
                 if one_host:
                     host[1] = q
-                    _host_change(
-                        t, 0, r_service[q], job_active, job_left, job_gen, host, ev_t, ev_v, ev_n
-                    )
+                    _host_change(t, 0, r_service[q], False, jobs, host, ev_t, ev_v, ev_n)
                 else:
                     _push(ev_t, ev_v, ev_n, t + r_service[q], ENCODE_DONE, q, 0)
             else:
                 enc_idle += 1
             delay = pools[0, P_ENTER_DELAY] + pools[0, P_PULL_PER_IMAGE] * r_images[a]
             _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, a, 0)
+            _serve(t, delay, one_host, jobs, host, ev_t, ev_v, ev_n)
         elif kind == ENTER_POOL:
             r = a
             p = b
@@ -512,9 +546,7 @@ def run(
                         replica,
                         duration,
                         one_host,
-                        job_active,
-                        job_left,
-                        job_gen,
+                        jobs,
                         host,
                         ev_t,
                         ev_v,
@@ -524,9 +556,11 @@ def run(
             p = a
             replica = b
             if kind == HOST_STEP_END:
-                if b != job_gen[1 + p]:
+                if b != int(jobs[J_GEN, 1 + p]):
                     continue  # rescheduled since
-                _host_change(t, 1 + p, -1.0, job_active, job_left, job_gen, host, ev_t, ev_v, ev_n)
+                _host_change(t, 1 + p, -1.0, False, jobs, host, ev_t, ev_v, ev_n)
+                if p == n_pools:
+                    continue  # the serving job caught up
                 replica = 0
             role = int(pools[p, P_ROLE])
             slot = p * max_rep + replica
@@ -556,7 +590,9 @@ def run(
                         present,
                         last,
                     )
-                    _push(ev_t, ev_v, ev_n, t + pools[p + 1, P_ENTER_DELAY], ENTER_POOL, r, p + 1)
+                    delay = pools[p + 1, P_ENTER_DELAY]
+                    _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, r, p + 1)
+                    _serve(t, delay, one_host, jobs, host, ev_t, ev_v, ev_n)
                 elif r_out[r] <= 1:
                     _add_load(
                         load_key,
@@ -582,6 +618,7 @@ def run(
                         sums,
                         counters,
                     )
+                    _serve(t, token_delay_s, one_host, jobs, host, ev_t, ev_v, ev_n)
                     inflight -= 1
                     free[n_free] = r
                     n_free += 1
@@ -608,6 +645,7 @@ def run(
                 _finish(
                     r, t + token_delay_s, r_arrival, r_first, r_out, warmup_s, hist, sums, counters
                 )
+                _serve(t, token_delay_s, one_host, jobs, host, ev_t, ev_v, ev_n)
                 inflight -= 1
                 free[n_free] = r
                 n_free += 1
@@ -635,9 +673,7 @@ def run(
                     replica,
                     duration,
                     one_host,
-                    job_active,
-                    job_left,
-                    job_gen,
+                    jobs,
                     host,
                     ev_t,
                     ev_v,

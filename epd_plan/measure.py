@@ -15,6 +15,9 @@ Two parts, one after the other so they never share the cores:
    the client, one request alone and several at once, against the engine's own steps,
    what serving a step and each sequence's token through Triton adds -- the encode and
    hops profiles.
+
+The second part also notes how many cores the encoder keeps busy while it works (CPU over
+wall time of its server): what it takes from the engine on one box.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from epd_bench.idle import tree_cpu_s
 from epd_plan.profile import (
     DecodeProfile,
     DecodeSample,
@@ -99,16 +103,20 @@ STEP_BATCH = 4
 """Text-only requests sent at once to measure what serving adds per sequence of a step."""
 
 
-def _gaps_together(samples: list) -> list[float]:
-    """The gaps between tokens while every one of ``samples`` (started together) was
-    decoding: steps of the whole batch, not of its stragglers."""
-    first = max(s.start + s.piece_times[1] for s in samples)
-    last = min(s.start + s.piece_times[-1] for s in samples)
-    gaps = []
+def _gaps_together(samples: list) -> tuple[list[float], int]:
+    """The gaps between tokens of ``samples`` (started together) while the most of them
+    were decoding at once, and how many that was: steps of the batch, not of its
+    stragglers (the stages may stagger the requests' starts)."""
+    spans = [(s.start + s.piece_times[0], s.start + s.piece_times[-1]) for s in samples]
+    by_width: dict[int, list[float]] = {}
     for s in samples:
-        times = [s.start + t for t in s.piece_times if first <= s.start + t <= last]
-        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
-    return gaps
+        times = [s.start + t for t in s.piece_times]
+        for a, b in zip(times, times[1:], strict=False):
+            mid = (a + b) / 2
+            width = sum(1 for lo, hi in spans if lo <= mid <= hi)
+            by_width.setdefault(width, []).append(b - a)
+    widest = max(by_width)
+    return by_width[widest], widest
 
 
 def serving_overheads(
@@ -118,6 +126,8 @@ def serving_overheads(
     between tokens at the client (one request alone, ``batch`` at once) less the engine's
     own decode step at those batch sizes, fitted as ``step + per_seq * batch``."""
     alone = alone_gap_s - decode.base_s - decode.per_seq_s
+    if batch < 2:
+        return max(0.0, alone), 0.0
     together = batch_gap_s - decode.base_s - decode.per_seq_s * batch
     per_seq = max(0.0, (together - alone) / (batch - 1))
     return max(0.0, alone - per_seq), per_seq
@@ -125,10 +135,11 @@ def serving_overheads(
 
 async def _send_all(
     url: str, requests: list[tuple[tuple[int, int], bytes | None]], rounds: int
-) -> tuple[list, list[float], list[float]]:
+) -> tuple[list, list[float], tuple[list[float], int]]:
     """Each request alone (concurrency 1), then ``rounds`` of ``STEP_BATCH`` text-only
     requests at once; returns (size, start_ns, end_ns) per lone request, the gaps between
-    the tokens of the lone text-only ones and those of the batches."""
+    the tokens of the lone text-only ones, and those of the batches with as many decoding
+    at once as ever were (and that count)."""
     import itertools
 
     from tritonclient.grpc.aio import InferenceServerClient
@@ -149,7 +160,7 @@ async def _send_all(
             windows.append((size, start, time.time_ns()))
             if not image:
                 gaps += [b - a for a, b in itertools.pairwise(sample.piece_times)]
-        batch_gaps = []
+        batch_gaps: dict[int, list[float]] = {}
         for r in range(rounds):
             batch = [LoadRequest("text", f"Tell #{r}.{k}.", ()) for k in range(STEP_BATCH)]
             samples = await asyncio.gather(
@@ -157,8 +168,10 @@ async def _send_all(
             )
             if failed := [s.error for s in samples if s.error]:
                 raise RuntimeError(f"profiling request failed: {failed[0]}")
-            batch_gaps += _gaps_together(samples)
-    return windows, gaps, batch_gaps
+            together, width = _gaps_together(samples)
+            batch_gaps.setdefault(width, []).extend(together)
+    widest = max(batch_gaps)
+    return windows, gaps, (batch_gaps[widest], widest)
 
 
 def measure_deployment(
@@ -173,7 +186,7 @@ def measure_deployment(
     """The encode and hops profiles; the engine alone (``prefill``, ``decode``) tells what
     an image adds to prefill beyond its tokens and what serving each step through Triton
     adds."""
-    from epd_bench.quick import embedded
+    from epd_bench.quick import embedded_deployment
     from orchestrator.families import family_for
     from orchestrator.tracing import read_spans
     from orchestrator.transfer.base import pool_bytes_for
@@ -190,9 +203,13 @@ def measure_deployment(
     requests += [((0, 0), None)] * sweep.images_per_size
     requests += photos  # again: the encoder's cache answers them
     cached = [i >= len(requests) - len(photos) for i in range(len(requests))]
-    with embedded(topology, timeout_s, traces=True) as running:
+    with embedded_deployment(topology, timeout_s, traces=True) as deployment:
+        running = deployment.topology
         url = running.server_of("epd")[1].grpc_url
+        encoder_pid = deployment.servers["encoder"].pid
+        encoder_cpu = tree_cpu_s(encoder_pid)
         windows, gaps, batch_gaps = asyncio.run(_send_all(url, requests, sweep.repeats))
+        encoder_cpu = tree_cpu_s(encoder_pid) - encoder_cpu
         time.sleep(1.0)  # the last spans are written when their servers end them
         spans = read_spans(running.tracing.directory)
     by_trace: dict[str, dict[str, float]] = {}
@@ -245,14 +262,13 @@ def measure_deployment(
         // family.max_image_bytes(),
         token_unit_px=unit,
         max_image_tokens=largest,
+        cores_busy=encoder_cpu / sum(s.latency_s for s in encode_samples),
         samples=encode_samples,
     )
     text = _median(text_prefill, "text-only prefill calls")
+    together, batch = batch_gaps
     step, per_seq = serving_overheads(
-        _median(gaps, "tokens"),
-        _median(batch_gaps, f"tokens of {STEP_BATCH} requests at once"),
-        STEP_BATCH,
-        decode,
+        _median(gaps, "tokens"), _median(together, "tokens of requests at once"), batch, decode
     )
     image_input = [
         t - text - prefill.per_token_s * encode.image_tokens(*size) for size, t in image_prefill

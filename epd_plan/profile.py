@@ -123,6 +123,11 @@ class EncodeProfile(_Profile):
     """Side of the square one image token covers (Qwen2-VL: 14 px patches merged 2x2)."""
     max_image_tokens: int = Field(default=16384, ge=1)
     """Tokens of the largest image the processor produces (bigger ones are resized down)."""
+    cores_busy: float = Field(default=0, ge=0)
+    """Cores an encode call keeps busy on average (its server's CPU seconds over the calls'
+    seconds, measured by ``epd plan profile``; 0: not measured, taken as every core of its
+    machine): what it takes from the stages it shares one box with. Its decoding and
+    preprocessing are one Python thread, only the tower's pass uses every core."""
     samples: list[EncodeSample] = Field(default_factory=list)
 
     def image_tokens(self, width: int, height: int) -> int:

@@ -180,7 +180,8 @@ def simulate(
     exponential distribution with the profile's mean (for checks against queueing theory).
     ``one_host``: every stage shares one machine's cores (a single-box deployment: one
     encoder, one replica per engine stage), so an encoder pass and an engine step that
-    overlap each run at half speed; otherwise each replica has hardware of its own."""
+    overlap each run at half speed, and the hops' work (the serving path's Python) takes
+    its thread's share; otherwise each replica has hardware of its own."""
     hops: HopsProfile = _hops(profiles, hops_machine)
     stages = LAYOUT_STAGES[fleet.layout]
     engines = [s for s in stages if s != "encode"]
@@ -227,6 +228,7 @@ def simulate(
         hops.token_relay_s,
         inflight,
         one_host,
+        *_host(profiles, fleet, engines),
     )
     wall = time.perf_counter() - started
     utilization = {}  # over the simulated time, arrivals and draining
@@ -255,6 +257,19 @@ def simulate(
         wall_s=wall,
         notes=[] if stable else [f"over {inflight} requests in flight: stopped early"],
     )
+
+
+def _host(profiles: Profiles, fleet: Fleet, engines: list[str]) -> tuple[int, np.ndarray]:
+    """For ``one_host``: the cores of the box every stage shares (as its engine's profile
+    describes it; 1 when it does not say) and the cores each job keeps busy: the encoder's
+    pass as measured (every core when not), an engine's step every core (its OpenMP
+    threads: a step waits for the slowest), the serving path one (a Python thread)."""
+    machine = profiles.get("prefill", fleet.stages[engines[0]].machine).machine
+    cores = max(1, machine.cores)
+    encoder = 0.0
+    if "encode" in fleet.stages:
+        encoder = profiles.get("encode", fleet.stages["encode"].machine).cores_busy
+    return cores, np.array([encoder or cores] + [cores] * len(engines) + [1.0], float)
 
 
 def _hops(profiles: Profiles, machine: str | None) -> HopsProfile:

@@ -40,6 +40,8 @@ def test_profile_this_machine_then_plan_a_valid_topology(tiny_model: Path, tmp_p
     assert sorted(s.cached for s in encode.samples) == [False] * 6 + [True] * 6
     assert prefill.per_token_s > 0 and prefill.samples
     assert decode.base_s > 0 and decode.samples
+    # what the encoder keeps of the cores: some, and no more than the machine has
+    assert 0 < encode.cores_busy <= machine.cores + 0.5, encode.cores_busy
 
     workload = tmp_path / "workload.yaml"
     workload.write_text(

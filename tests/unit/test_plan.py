@@ -54,15 +54,11 @@ def stage_profiles(machine: Machine, speed: float = 1.0) -> list:
     ]
 
 
-def profiles(*machines: tuple[Machine, float]) -> Profiles:
-    hops = HopsProfile(
-        model="m",
-        machine=CPU,
-        encode_call_s=0.002,
-        llm_call_s=0.002,
-        kv_transfer_s=0.004,
-        token_relay_s=0.001,
-    )
+HOPS = {"encode_call_s": 0.002, "llm_call_s": 0.002, "kv_transfer_s": 0.004, "token_relay_s": 0.001}
+
+
+def profiles(*machines: tuple[Machine, float], **hop_costs: float) -> Profiles:
+    hops = HopsProfile(model="m", machine=CPU, **(HOPS | hop_costs))
     return Profiles([hops, *(p for m, s in machines for p in stage_profiles(m, s))])
 
 
@@ -241,27 +237,53 @@ def test_serving_cost_per_sequence_is_told_from_the_per_step_one() -> None:
     assert serving_overheads(alone, four, 4, decode) == pytest.approx((step, per_seq))
     # a batch served faster than one alone (noise) is no negative cost
     assert serving_overheads(alone, alone, 4, decode) == (pytest.approx(step + per_seq), 0.0)
+    # requests the stages staggered so that no two decoded at once tell nothing per sequence
+    assert serving_overheads(alone, four, 1, decode) == (pytest.approx(step + per_seq), 0.0)
 
 
-def test_one_host_shares_its_cores_between_encoder_and_engine() -> None:
-    """A single box (E+PD, one of each): an encoder pass and an engine step that overlap run
-    at half speed each; with nothing to overlap the box is as fast as two machines."""
+def test_one_host_shares_its_cores_between_encoder_engine_and_serving() -> None:
+    """A single box (E+PD, one of each): an encoder pass, an engine step and the serving
+    path's work (the hops) that overlap share the cores; with nothing to overlap the box is
+    as fast as separate machines."""
     p = profiles((CPU, 1.0))
     fleet = Fleet("E+PD", {"encode": StageCount("cpu", 1), "pd": StageCount("cpu", 1)})
 
-    def ttft(workload: Workload, one_host: bool) -> float:
+    def ttft(workload: Workload, one_host: bool, p: Profiles = p) -> float:
         return simulate(fleet, p, workload, one_host=one_host).ttft_s.p50
 
     sparse = WORKLOAD.model_copy(update={"rate_rps": 0.2, "image_share": 1.0, "duration_s": 600})
     assert ttft(sparse, True) == pytest.approx(ttft(sparse, False), rel=0.01)
+    # text only: the engine's steps share the box with the other requests' hops alone
     text = WORKLOAD.model_copy(update={"image_share": 0.0})
-    assert ttft(text, True) == pytest.approx(ttft(text, False), rel=0.01)
+    free_hops = profiles((CPU, 1.0), llm_call_s=0.0, token_relay_s=0.0)
+    assert ttft(text, True, free_hops) == pytest.approx(ttft(text, False, free_hops), rel=0.01)
+    assert ttft(text, True) > 1.1 * ttft(text, False)
     # busy: images are encoded while other requests decode, and both slow down
     busy = WORKLOAD.model_copy(update={"rate_rps": 20, "image_share": 1.0})
     assert ttft(busy, True) > 1.2 * ttft(busy, False)
     two = Fleet("E+PD", {"encode": StageCount("cpu", 1), "pd": StageCount("cpu", 2)})
     with pytest.raises(PlanInputError, match="one box"):
         simulate(two, p, busy, one_host=True)
+
+
+def test_one_host_slows_only_what_outgrows_its_cores() -> None:
+    """On two cores an engine's step wants both (its OpenMP threads); an encoder that keeps
+    one busy (as measured) then slows it less than one that wants both, which halves the
+    speed of both while they overlap."""
+    box = Machine(name="box", cores=2)
+    free_hops = {"encode_call_s": 0.0, "llm_call_s": 0.0, "kv_transfer_s": 0.0}
+    fleet = Fleet("E+PD", {"encode": StageCount("box", 1), "pd": StageCount("box", 1)})
+    busy = WORKLOAD.model_copy(update={"rate_rps": 20, "image_share": 1.0})
+
+    def ttft(encoder_cores: float, one_host: bool = True) -> float:
+        p = profiles((box, 1.0), token_relay_s=0.0, **free_hops)
+        key = ("encode", "box")
+        p.by_key[key] = p.by_key[key].model_copy(update={"cores_busy": encoder_cores})
+        return simulate(fleet, p, busy, one_host=one_host).ttft_s.p50
+
+    apart = ttft(2.0, one_host=False)
+    assert ttft(2.0) > ttft(1.0) > apart
+    assert ttft(0.0) == pytest.approx(ttft(2.0), rel=0.01)  # not measured: every core
 
 
 def test_a_recorded_trace_becomes_the_workload_it_shows(tmp_path: Path, capsys) -> None:
