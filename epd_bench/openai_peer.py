@@ -15,7 +15,6 @@ warm-up requests excluded; a few repeats per peer give the spread.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import statistics
@@ -126,7 +125,21 @@ def bench_serve(
     out: Path,
     seed: int = 0,
 ) -> dict:
-    """One ``vllm bench serve`` run; its result JSON."""
+    """One ``vllm bench serve`` run; its result JSON. ``mixed``: text requests at half the
+    concurrency while :class:`PhotoLoad` keeps the other half busy, with the photo load's
+    count, failures and rate during the text run under ``photo_load``."""
+    if kind == MIXED:
+        photos = max(1, concurrency // 2)
+        texts = max(1, concurrency - photos)
+        with PhotoLoad(base_url, served_name, photos) as load:
+            result = bench_serve(
+                base_url, model, served_name, "text", prompts, warmups, texts, out, seed
+            )
+            result["photo_load"] = {
+                "concurrency": photos, "req_per_s": load.rate(),
+                "completed": load.completed, "failed": load.failed, "errors": load.errors[:3],
+            }  # fmt: skip
+        return result
     cmd = [
         sys.executable, "-c", VLLM_BENCH,
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
@@ -283,32 +296,6 @@ class PhotoLoad:
         asyncio.run(main())
 
 
-def bench_mixed(
-    base_url: str,
-    model: Path,
-    served_name: str,
-    prompts: int,
-    warmups: int,
-    concurrency: int,
-    out: Path,
-    seed: int = 0,
-) -> dict:
-    """Text requests at half the concurrency (``vllm bench serve``) while :class:`PhotoLoad`
-    keeps the other half busy; the text run's result JSON, with the photo load's count,
-    failures and rate during it under ``photo_load``."""
-    photos = max(1, concurrency // 2)
-    with PhotoLoad(base_url, served_name, photos) as load:
-        result = bench_serve(
-            base_url, model, served_name, "text", prompts, warmups,
-            max(1, concurrency - photos), out, seed,
-        )  # fmt: skip
-        result["photo_load"] = {
-            "concurrency": photos, "req_per_s": load.rate(),
-            "completed": load.completed, "failed": load.failed, "errors": load.errors[:3],
-        }  # fmt: skip
-    return result
-
-
 @dataclass
 class PeerResult:
     peer: str
@@ -364,11 +351,9 @@ def run(
             for i in range(repeats):
                 out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
                 before = {server: tree_cpu_s(pid) for server, pid in pids.items()}
-                bench = bench_mixed if kind == MIXED else functools.partial(bench_serve, kind=kind)
-                result = bench(
-                    base_url, topology.model, model, prompts=prompts, warmups=warmups,
-                    concurrency=concurrency, out=out, seed=i,
-                )  # fmt: skip
+                result = bench_serve(
+                    base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
+                )
                 runs.append(_summary(result))
                 runs[-1]["cpu_ms"] = {
                     server: round((tree_cpu_s(pid) - before[server]) * 1e3 / (prompts + warmups), 2)

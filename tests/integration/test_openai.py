@@ -360,8 +360,8 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
 def test_text_is_measured_while_photos_are_answered(stack, vllm_serve, tmp_path):
     """``epd bench openai``'s mixed workload: the text run happens while the photo load is
     answered (against ``vllm serve``: this module's front takes one request at a time)."""
-    result = openai_peer.bench_mixed(
-        vllm_serve.removesuffix("/v1"), stack.topology.model, "tiny",
+    result = openai_peer.bench_serve(
+        vllm_serve.removesuffix("/v1"), stack.topology.model, "tiny", openai_peer.MIXED,
         prompts=6, warmups=1, concurrency=2, out=tmp_path / "result.json",
     )  # fmt: skip
     load = result["photo_load"]
