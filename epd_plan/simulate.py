@@ -179,9 +179,9 @@ def simulate(
     """Run the fleet under the workload. ``exponential_encode`` draws encode times from an
     exponential distribution with the profile's mean (for checks against queueing theory).
     ``one_host``: every stage shares one machine's cores (a single-box deployment: one
-    encoder, one replica per engine stage), so an encoder pass and an engine step that
-    overlap each run at half speed, and the hops' work (the serving path's Python) takes
-    its thread's share; otherwise each replica has hardware of its own."""
+    encoder, one replica per engine stage): an encoder pass, an engine step and the hops'
+    work (the serving path's Python) that overlap slow each other once together they want
+    more cores than the box has; otherwise each replica has hardware of its own."""
     hops: HopsProfile = _hops(profiles, hops_machine)
     stages = LAYOUT_STAGES[fleet.layout]
     engines = [s for s in stages if s != "encode"]
