@@ -16,8 +16,9 @@ Two parts, one after the other so they never share the cores:
    what serving a step and each sequence's token through Triton adds -- the encode and
    hops profiles.
 
-The second part also notes how many cores the encoder keeps busy while it works (CPU over
-wall time of its server): what it takes from the engine on one box.
+The second part also notes how many cores the encoder keeps busy while it works (its
+server's CPU over the time the encode calls spent there): what it takes from the engine
+on one box.
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def measure_deployment(
         // family.max_image_bytes(),
         token_unit_px=unit,
         max_image_tokens=largest,
-        cores_busy=encoder_cpu / sum(s.latency_s for s in encode_samples),
+        # over the time the calls spent at the encoder's server, its Triton's share included
+        cores_busy=encoder_cpu / (sum(s.latency_s for s in encode_samples) + sum(encode_hop)),
         samples=encode_samples,
     )
     text = _median(text_prefill, "text-only prefill calls")

@@ -125,9 +125,10 @@ class EncodeProfile(_Profile):
     """Tokens of the largest image the processor produces (bigger ones are resized down)."""
     cores_busy: float = Field(default=0, ge=0)
     """Cores an encode call keeps busy on average (its server's CPU seconds over the calls'
-    seconds, measured by ``epd plan profile``; 0: not measured, taken as every core of its
-    machine): what it takes from the stages it shares one box with. Its decoding and
-    preprocessing are one Python thread, only the tower's pass uses every core."""
+    seconds there, Triton's handling included, measured by ``epd plan profile``; 0: not
+    measured, taken as every core of its machine): what it takes from the stages it shares
+    one box with. Its decoding and preprocessing are one Python thread, only the tower's
+    pass uses every core."""
     samples: list[EncodeSample] = Field(default_factory=list)
 
     def image_tokens(self, width: int, height: int) -> int:
