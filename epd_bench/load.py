@@ -10,7 +10,6 @@ request, and reduces them to a :class:`~epd_bench.schema.RunResult`.
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import random
 import sys
@@ -60,14 +59,9 @@ class Sample:
 
 def _large_photo(name: str, serial: int) -> bytes:
     """A photo upscaled to 1536 px (a big upload; the encoder still resizes it down)."""
-    from PIL import Image
-
     from epd_bench.photos import photo_variant
 
-    image = Image.open(io.BytesIO(photo_variant(name, serial))).resize((1536, 1536))
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+    return photo_variant(name, serial, (1536, 1536), quality=90)
 
 
 def _request(kind: str, serial: int, repeat_pool: int | None = None) -> LoadRequest:

@@ -220,7 +220,8 @@ class PhotoLoad:
     serial, then sized like the ``photo`` workload's), 16 tokens each.
 
     Entering waits until the first photo has been answered, so the measured requests all
-    meet a busy server; leaving stops sending and waits for the photos in flight."""
+    meet a busy server; leaving stops sending and waits for the photos in flight. A failed
+    photo stops the load (the run's ``failed`` then counts it)."""
 
     def __init__(self, base_url: str, served_name: str, concurrency: int) -> None:
         self.base_url, self.served_name, self.concurrency = base_url, served_name, concurrency
@@ -251,19 +252,14 @@ class PhotoLoad:
 
     def _photo(self) -> str:
         import base64
-        import io
-
-        from PIL import Image
 
         from epd_bench.load import PHOTOS
         from epd_bench.photos import photo_variant
 
         self._serial += 1
-        raw = photo_variant(PHOTOS[self._serial % len(PHOTOS)], 100_000 + self._serial)
-        image = Image.open(io.BytesIO(raw)).resize((PHOTO_LOAD_SIDE, PHOTO_LOAD_SIDE))
-        buf = io.BytesIO()
-        image.save(buf, format="JPEG")
-        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+        side = (PHOTO_LOAD_SIDE, PHOTO_LOAD_SIDE)
+        raw = photo_variant(PHOTOS[self._serial % len(PHOTOS)], 100_000 + self._serial, side)
+        return "data:image/jpeg;base64," + base64.b64encode(raw).decode()
 
     def _run(self) -> None:
         import asyncio
@@ -284,9 +280,10 @@ class PhotoLoad:
                     reply = await client.post("/v1/chat/completions", json=body)
                     reply.raise_for_status()
                     self.completed += 1
-                except httpx.HTTPError as exc:
+                except httpx.HTTPError as exc:  # the run is void: stop, do not hammer
                     self.failed += 1
                     self.errors.append(f"{type(exc).__name__}: {exc}")
+                    self._stop.set()
                 self._answered.set()
 
         async def main() -> None:

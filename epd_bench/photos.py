@@ -18,13 +18,18 @@ def _photo_pixels(name: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(sample_photo(name))).convert("RGB"))
 
 
-def photo_variant(name: str, serial: int) -> bytes:
+def photo_variant(
+    name: str, serial: int, size: tuple[int, int] | None = None, quality: int = 75
+) -> bytes:
     """The photo rolled sideways by ``serial`` pixels: same size (same work) but new content,
-    so neither vLLM's prefix/multimodal caches nor ``epd``'s image hashes see a repeat."""
+    so neither vLLM's prefix/multimodal caches nor ``epd``'s image hashes see a repeat.
+    ``size``: then resized to (width, height); a JPEG of ``quality``."""
     from PIL import Image
 
     pixels = _photo_pixels(name)
-    rolled = np.roll(pixels, serial % pixels.shape[1], axis=1)
+    image = Image.fromarray(np.roll(pixels, serial % pixels.shape[1], axis=1))
+    if size is not None:
+        image = image.resize(size)
     buf = io.BytesIO()
-    Image.fromarray(rolled).save(buf, format="JPEG")
+    image.save(buf, format="JPEG", quality=quality)
     return buf.getvalue()

@@ -74,7 +74,7 @@ P_COLUMNS = 13
 J_ACTIVE = 0  # 1.0 while the job has work
 J_LEFT = 1  # seconds of work left at full speed
 J_GEN = 2  # generation of its scheduled end (older end events are stale)
-J_WIDTH = 3  # threads it wants
+J_WIDTH = 3  # cores it keeps busy
 J_ROWS = 4
 
 # Result histograms: log-spaced bins from 1 us to ~1e4 s.

@@ -24,7 +24,6 @@ on one box.
 from __future__ import annotations
 
 import asyncio
-import io
 import statistics
 import time
 from dataclasses import dataclass
@@ -75,16 +74,10 @@ class Sweep:
 
 
 def _photo(width: int, height: int, serial: int) -> bytes:
-    from PIL import Image
-
     from epd_bench.load import PHOTOS
     from epd_bench.photos import photo_variant
 
-    raw = photo_variant(PHOTOS[serial % len(PHOTOS)], serial)
-    image = Image.open(io.BytesIO(raw)).convert("RGB").resize((width, height))
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+    return photo_variant(PHOTOS[serial % len(PHOTOS)], serial, (width, height), quality=90)
 
 
 def _median(values: list[float], what: str) -> float:
