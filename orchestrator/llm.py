@@ -67,6 +67,7 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
         # doing nothing (0.35 cores per engine, measured with the tiny model at 25 req/s);
         # idle workers now sleep. A value set by the operator wins (dedicated cores).
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(default_engine_threads()),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
@@ -77,6 +78,17 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1, bind)[0])
     return env
+
+
+def default_engine_threads() -> int:
+    """OpenMP threads of a CPU engine's steps: every CPU this process may use but one, kept
+    for the serving processes -- what ``vllm serve`` binds its CPU worker to (its
+    ``VLLM_CPU_OMP_THREADS_BIND=auto``, one CPU reserved). We run the engine in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM neither binds nor can cut torch's
+    threads (its CPU worker disables ``torch.set_num_threads``), so the steps ran on every
+    core and each waited for the core the serving path held: on 2 cores, one thread served
+    the tiny model 18-34% faster (docs/benchmarks.md)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):

@@ -240,3 +240,18 @@ def test_cpu_engines_sleep_between_parallel_regions_unless_the_operator_says(
     assert engine_env(topo, "llm", "pd")["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert engine_env(topo, "llm", "pd")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_cpu_engines_leave_a_cpu_to_the_serving_path_unless_the_operator_says(
+    tiny_model: Path, monkeypatch
+):
+    """As ``vllm serve`` binds its CPU worker: every usable CPU but one, at least one."""
+    from orchestrator.llm import engine_env
+
+    topo = default_topology(tiny_model)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cpus, threads in (({0}, "1"), ({0, 1}, "1"), (set(range(16)), "15")):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cpus=cpus: cpus)
+        assert engine_env(topo, "llm", "pd")["OMP_NUM_THREADS"] == threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert engine_env(topo, "llm", "pd")["OMP_NUM_THREADS"] == "4"
