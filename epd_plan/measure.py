@@ -294,7 +294,8 @@ async def _engine_samples(model: Path, sweep: Sweep):
     topology = default_topology(model, "E+PD")
     server, _ = topology.server_of("aggregated")
     args = engine_args(topology, server, "aggregated")
-    engine = LLMEngine(args, engine_env(topology, server, "aggregated"))
+    env = engine_env(topology, server, "aggregated")
+    engine = LLMEngine(args, env)
     # Plain text ids: above the low ids where small vocabularies keep their special tokens.
     vocab = int(Checkpoint.open(model).text_config["vocab_size"])
     low = min(vocab // 4, 1000)
@@ -340,7 +341,8 @@ async def _engine_samples(model: Path, sweep: Sweep):
                             )
                         )
         budget = int(args.get("max_num_batched_tokens") or max(8192, args["max_model_len"]))
-        return prefill, decode, int(args.get("max_num_seqs", 256)), budget
+        threads = int(env["OMP_NUM_THREADS"])
+        return prefill, decode, int(args.get("max_num_seqs", 256)), budget, threads
     finally:
         engine.shutdown()
 
@@ -348,8 +350,14 @@ async def _engine_samples(model: Path, sweep: Sweep):
 def measure_engine(
     model: Path, machine: Machine, sweep: Sweep, command: str
 ) -> tuple[PrefillProfile, DecodeProfile]:
-    prefill, decode, max_seqs, budget = asyncio.run(_engine_samples(model, sweep))
-    meta = {"model": model.name, "machine": machine, "measured_at": now(), "command": command}
+    prefill, decode, max_seqs, budget, threads = asyncio.run(_engine_samples(model, sweep))
+    meta = {
+        "model": model.name,
+        "machine": machine,
+        "measured_at": now(),
+        "command": command,
+        "threads": threads,
+    }
     p = fit(
         [[1.0, s.batch, s.prompt_tokens * s.batch] for s in prefill],
         [s.latency_s for s in prefill],

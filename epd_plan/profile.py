@@ -150,7 +150,14 @@ class PrefillSample(_Spec):
     """Until the last of them had its first token."""
 
 
-class PrefillProfile(_Profile):
+class _EngineProfile(_Profile):
+    threads: int = Field(default=0, ge=0)
+    """OpenMP threads of the engine's steps (``OMP_NUM_THREADS`` of the engine measured;
+    0: not recorded, taken as every core of its machine): the cores a step keeps busy,
+    what it takes from the stages it shares one box with."""
+
+
+class PrefillProfile(_EngineProfile):
     stage: Literal["prefill"] = "prefill"
     base_s: float = Field(ge=0)
     per_request_s: float = Field(default=0, ge=0)
@@ -167,7 +174,7 @@ class DecodeSample(_Spec):
     itl_s: float
 
 
-class DecodeProfile(_Profile):
+class DecodeProfile(_EngineProfile):
     stage: Literal["decode"] = "decode"
     base_s: float = Field(ge=0)
     per_seq_s: float = Field(ge=0)

@@ -262,14 +262,16 @@ def simulate(
 def _host(profiles: Profiles, fleet: Fleet, engines: list[str]) -> tuple[int, np.ndarray]:
     """For ``one_host``: the cores of the box every stage shares (as its engine's profile
     describes it; 1 when it does not say) and the cores each job keeps busy: the encoder's
-    pass as measured (every core when not), an engine's step every core (its OpenMP
-    threads: a step waits for the slowest), the serving path one (a Python thread)."""
+    pass as measured, an engine's step its OpenMP threads (a step waits for the slowest;
+    either, when its profile does not say, every core), the serving path one (a Python
+    thread)."""
     machine = profiles.get("prefill", fleet.stages[engines[0]].machine).machine
     cores = max(1, machine.cores)
     encoder = 0.0
     if "encode" in fleet.stages:
         encoder = profiles.get("encode", fleet.stages["encode"].machine).cores_busy
-    return cores, np.array([encoder or cores] + [cores] * len(engines) + [1.0], float)
+    steps = [profiles.get("prefill", fleet.stages[s].machine).threads for s in engines]
+    return cores, np.array([encoder or cores, *(min(t or cores, cores) for t in steps), 1.0])
 
 
 def _hops(profiles: Profiles, machine: str | None) -> HopsProfile:

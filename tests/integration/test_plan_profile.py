@@ -6,6 +6,7 @@ benchmark (``epd plan validate``, docs/benchmarks.md), not a test: this box is n
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,9 @@ def test_profile_this_machine_then_plan_a_valid_topology(tiny_model: Path, tmp_p
     assert sorted(s.cached for s in encode.samples) == [False] * 6 + [True] * 6
     assert prefill.per_token_s > 0 and prefill.samples
     assert decode.base_s > 0 and decode.samples
+    # the engine's default (a CPU left to serving) unless the environment says
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, machine.cores - 1))
+    assert prefill.threads == decode.threads == threads
     # what the encoder keeps of the cores: some, and no more than the machine has
     assert 0 < encode.cores_busy <= machine.cores + 0.5, encode.cores_busy
 

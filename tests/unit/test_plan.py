@@ -267,23 +267,29 @@ def test_one_host_shares_its_cores_between_encoder_engine_and_serving() -> None:
 
 
 def test_one_host_slows_only_what_outgrows_its_cores() -> None:
-    """On two cores an engine's step wants both (its OpenMP threads); an encoder that keeps
-    one busy (as measured) then slows it less than one that wants both, which halves the
-    speed of both while they overlap."""
+    """On two cores an engine's step on both (its OpenMP threads) is slowed less by an
+    encoder that keeps one busy (as measured) than by one that wants both, which halves
+    the speed of both while they overlap; an engine on one thread beside an encoder on
+    the other is not slowed at all."""
     box = Machine(name="box", cores=2)
     free_hops = {"encode_call_s": 0.0, "llm_call_s": 0.0, "kv_transfer_s": 0.0}
     fleet = Fleet("E+PD", {"encode": StageCount("box", 1), "pd": StageCount("box", 1)})
     busy = WORKLOAD.model_copy(update={"rate_rps": 20, "image_share": 1.0})
 
-    def ttft(encoder_cores: float, one_host: bool = True) -> float:
+    def ttft(encoder_cores: float, one_host: bool = True, engine_threads: int = 2) -> float:
         p = profiles((box, 1.0), token_relay_s=0.0, **free_hops)
         key = ("encode", "box")
         p.by_key[key] = p.by_key[key].model_copy(update={"cores_busy": encoder_cores})
+        for key in (("prefill", "box"), ("decode", "box")):
+            p.by_key[key] = p.by_key[key].model_copy(update={"threads": engine_threads})
         return simulate(fleet, p, busy, one_host=one_host).ttft_s.p50
 
     apart = ttft(2.0, one_host=False)
     assert ttft(2.0) > ttft(1.0) > apart
     assert ttft(0.0) == pytest.approx(ttft(2.0), rel=0.01)  # not measured: every core
+    assert ttft(1.0, engine_threads=0) == pytest.approx(ttft(1.0), rel=0.01)  # not recorded
+    assert ttft(1.0, engine_threads=1) == pytest.approx(apart, rel=0.01)
+    assert ttft(2.0, engine_threads=1) > apart
 
 
 def test_a_recorded_trace_becomes_the_workload_it_shows(tmp_path: Path, capsys) -> None:
