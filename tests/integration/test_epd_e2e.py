@@ -314,16 +314,8 @@ def test_one_request_is_one_trace_through_every_hop(epd_stack):
 
     traces = epd_stack.tracing.directory
     image = photo_variant("astronaut", 424242)
+    sent_ns = time.time_ns()
     assert stream(_front(epd_stack).grpc_url, "epd", "Describe this image.", [image], {})
-    deadline = time.monotonic() + 10
-    while True:  # the front's span ends just after its last response went out
-        spans = read_spans(traces)
-        roots = sorted((s for s in spans if s["name"] == "epd"), key=lambda s: s["start_ns"])
-        if roots or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    trace_id = roots[-1]["trace_id"]
-    mine = [s for s in spans if s["trace_id"] == trace_id]
     llm = (
         {"call pd": "front/epd", "pd": "llm/pd"}
         if epd_stack.one_engine
@@ -346,6 +338,17 @@ def test_one_request_is_one_trace_through_every_hop(epd_stack):
         "stream": "front/epd",
         **llm,
     }
+    # Each server exports its spans in its own time, and earlier tests left traces of
+    # their own here: wait for this request's root and every span of its trace.
+    deadline = time.monotonic() + 10
+    while True:
+        spans = read_spans(traces)
+        roots = [s for s in spans if s["name"] == "epd" and s["start_ns"] >= sent_ns]
+        mine = [s for s in spans if roots and s["trace_id"] == roots[0]["trace_id"]]
+        if len(mine) >= len(expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(roots) == 1, roots
     assert {s["name"]: s["instance"] for s in mine} == expected
     ids = {s["span_id"] for s in mine}
     assert [s["name"] for s in mine if s["parent_id"] not in ids] == ["epd"]  # one tree
