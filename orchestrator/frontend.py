@@ -24,7 +24,7 @@ import numpy as np
 from orchestrator.config import Limits, Topology
 from orchestrator.encoder.preprocess import ImageTooLarge, open_image
 from orchestrator.llm import LLMRole, engine_args
-from orchestrator.protocol import InvalidRequest, SamplingOptions, TooLarge
+from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions, TooLarge
 
 Tensors = dict[str, np.ndarray]
 
@@ -323,8 +323,10 @@ async def completion_responses(
         reason = delta.finish_reason
         if not stream:
             text.append(delta.text)
-        elif delta.text or reason is not None:
+        elif reason is not None:  # vLLM's output that finishes the request is its last
+            yield LastResponse(delta_tensors(Delta(delta.text, tokens, reason, prompt), outputs))
+        elif delta.text:
             yield delta_tensors(Delta(delta.text, tokens, reason, prompt), outputs)
             tokens = 0
     if not stream:
-        yield delta_tensors(Delta("".join(text), tokens, reason, prompt), outputs)
+        yield LastResponse(delta_tensors(Delta("".join(text), tokens, reason, prompt), outputs))

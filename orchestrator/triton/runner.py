@@ -15,6 +15,7 @@ import concurrent.futures
 import faulthandler
 import json
 import locale
+import queue
 import signal
 import threading
 import traceback
@@ -29,7 +30,7 @@ from orchestrator import tracing
 from orchestrator.auth import MAC_PARAMETER, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.protocol import PROBE_PARAMETER, StageError, error_message
+from orchestrator.protocol import PROBE_PARAMETER, LastResponse, StageError, error_message
 
 Tensors = dict[str, np.ndarray]
 
@@ -84,6 +85,39 @@ def dump_stacks_on_signal() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+class ResponseSendThread:
+    """Sends responses from a thread of its own, in the order they were put.
+
+    A python-backend ``send`` is a round trip to the server process (the stub waits for
+    its turn, GIL released); made on the event loop, it stalled the engine's output
+    handling and every other request for each token sent. As in Triton's vllm_backend,
+    the loop only queues. A failed send is logged: the request's final flag still goes
+    out after it, and its client learns of the end either way."""
+
+    def __init__(self, name: str, pb_utils: Any) -> None:
+        self._pb = pb_utils
+        self._queue: queue.SimpleQueue[tuple[Any, Any, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-send", daemon=True)
+        self._thread.start()
+
+    def send(self, sender: Any, response: Any = None, final: bool = False) -> None:
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self._queue.put((sender, response, flags))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad send
+                self._pb.Logger.log_error(f"sending a response failed:\n{traceback.format_exc()}")
+
+    def stop(self, timeout_s: float = 10) -> None:
+        """Send what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+
 class DecoupledModelRunner:
     """Serves a decoupled Triton model from an async handler on a private event loop.
 
@@ -112,6 +146,7 @@ class DecoupledModelRunner:
             target=self._loop.run_forever, name=f"{args['model_name']}-loop", daemon=True
         )
         self._thread.start()
+        self._responses = ResponseSendThread(args["model_name"], pb_utils)
         self._inflight: set[concurrent.futures.Future] = set()
         self._live: dict[asyncio.Task, tuple[RequestContext, Any]] = {}
         self._watcher: asyncio.Task | None = None
@@ -176,7 +211,7 @@ class DecoupledModelRunner:
         )
 
     async def _serve(self, call: _Call) -> None:
-        pb, sender = self._pb, call.sender
+        pb, sender, responses = self._pb, call.sender, self._responses
         ctx = self._context(call)
         ctx.client_gone = sender.is_cancelled
         parameters = _parameters(call.parameters)
@@ -194,6 +229,7 @@ class DecoupledModelRunner:
         self.in_flight += not probe
         if self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
+        final_sent = False
         try:
             if self._key is not None:
                 self._key.verify_call(
@@ -203,9 +239,16 @@ class DecoupledModelRunner:
                 await self._check_health()
             else:
                 async for outputs in self.handler.generate(call.inputs, ctx):
+                    if final_sent:
+                        raise RuntimeError(f"{self.model} yielded after its last response")
                     tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
-                    sender.send(pb.InferenceResponse(output_tensors=tensors))
-            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    response = pb.InferenceResponse(output_tensors=tensors)
+                    final_sent = isinstance(outputs, LastResponse)
+                    responses.send(sender, response, final_sent)
+                    if final_sent:  # its sender is closing: the watcher must not ask it
+                        self._live.pop(task, None)
+            if not final_sent:
+                responses.send(sender, final=True)
         except asyncio.CancelledError:
             stopped = ctx.stop_error()
             if stopped is None:  # the loop is shutting down, not our watcher
@@ -213,12 +256,19 @@ class DecoupledModelRunner:
             task.uncancel()
             self.stopped["cancelled" if ctx.cancelled else "deadline"] += 1
             tracing.failed(span, stopped)
-            self._send_error(sender, stopped, ctx)
+            if not final_sent:
+                self._send_error(sender, stopped, ctx)
         except Exception as exc:  # every failure must reach the client, never the loop
             tracing.failed(span, exc)
-            self._send_error(sender, exc, ctx)
+            if not final_sent:
+                self._send_error(sender, exc, ctx)
+            else:  # the client has its whole answer; what failed after it is ours to log
+                self._pb.Logger.log_error(
+                    f"{self.model} request {ctx.request_id} failed after its last "
+                    f"response:\n{traceback.format_exc()}"
+                )
         finally:
-            del self._live[task]
+            self._live.pop(task, None)
             self.in_flight -= not probe
             span.end()
 
@@ -246,11 +296,8 @@ class DecoupledModelRunner:
             self._watcher = None
 
     def _send_error(self, sender: Any, exc: BaseException, ctx: RequestContext) -> None:
-        pb = self._pb
-        sender.send(
-            pb.InferenceResponse(error=self._triton_error(exc, ctx)),
-            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
+        error = self._pb.InferenceResponse(error=self._triton_error(exc, ctx))
+        self._responses.send(sender, error, final=True)
 
     def _triton_error(self, exc: BaseException, ctx: RequestContext) -> Any:
         """Our errors keep their kind and message; anything else is a short ``INTERNAL``
@@ -275,6 +322,7 @@ class DecoupledModelRunner:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            self._responses.stop()
 
     async def _close(self) -> None:
         try:

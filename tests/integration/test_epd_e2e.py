@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from orchestrator.client import generate_body, sample_photo, stream
+from orchestrator.client import generate_body, request_inputs, sample_photo, stream
 from orchestrator.config import Topology
 from tests.conftest import EPD_LAYOUT, cache_metrics, local_topology, wait_unpinned
 
@@ -123,6 +123,35 @@ def test_grpc_stream_matches_offline_vllm(epd_stack, reference, model, case):
     )
     assert len(pieces) > 1, "streaming should deliver text in several responses"
     assert "".join(pieces) == reference[case]
+
+
+@pytest.mark.parametrize("model", ["epd", "aggregated"])
+def test_the_last_text_carries_the_final_flag(epd_stack, reference, model):
+    """The last response holds the last text and Triton's final flag, as vllm_backend
+    sends it: no data-less final after it (one message fewer per request on every hop)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    text, images = CASES["chelsea"]
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    results: queue.Queue = queue.Queue()
+    seen: list[tuple[str | None, bool]] = []  # (text, final) per response
+    with grpcclient.InferenceServerClient(_front(epd_stack).grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        inputs = request_inputs(text, images, sampling, stream=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while not (seen and seen[-1][1]):
+            result, error = results.get(timeout=300)
+            assert error is None, error
+            response = result.get_response()
+            piece = result.as_numpy("text_output") if response.outputs else None
+            final = response.parameters["triton_final_response"].bool_param
+            seen.append((None if piece is None else piece.reshape(-1)[0].decode(), final))
+        client.stop_stream()
+    assert len(seen) > 1 and None not in [piece for piece, _ in seen], seen
+    assert [final for _, final in seen] == [False] * (len(seen) - 1) + [True]
+    assert "".join(piece for piece, _ in seen) == reference["chelsea"]
 
 
 @pytest.mark.parametrize("case", ["astronaut", "text_only", "two_images"])

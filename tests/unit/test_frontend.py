@@ -19,7 +19,7 @@ from orchestrator.frontend import (
     parse_front_request,
     tensors_delta,
 )
-from orchestrator.protocol import InvalidRequest
+from orchestrator.protocol import InvalidRequest, LastResponse
 
 
 def _png(width: int, height: int) -> bytes:
@@ -141,11 +141,13 @@ def test_optional_outputs_follow_vllm_backend():
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
+    assert [type(r) for r in streamed] == [dict, LastResponse]  # sent with the final flag
     assert [r["text_output"][0] for r in streamed] == [b"ab", b"c"]
     assert [r["finish_reason"][0] for r in streamed] == [b"None", b"length"]
     assert [int(r["num_output_tokens"][0]) for r in streamed] == [2, 1]
     assert all(int(r["num_input_tokens"][0]) == 7 for r in streamed)
     [whole] = asyncio.run(collect(False))
+    assert isinstance(whole, LastResponse)
     assert whole["text_output"][0] == b"abc" and int(whole["num_output_tokens"][0]) == 3
     assert tensors_delta(whole) == Delta("abc", 3, "length", 7)
     [plain] = asyncio.run(_plain(deltas))
