@@ -8,6 +8,8 @@ prefill and decode in one engine) and ``aggregated`` (pixels in).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import uuid
@@ -159,11 +161,34 @@ class LLMEngine:
         from vllm.exceptions import VLLMClientError
 
         rid = request_id or uuid.uuid4().hex
+        # vLLM's own generate() aborts only what it has admitted: a request cancelled while
+        # vLLM still processed its input was dropped unseen, and a decode engine's request
+        # then never told prefill to free the KV it held for it (freed by vLLM's 30 s KV
+        # lease instead; 1 in 16 cancels in test_lifecycle's race). So admission, through
+        # the same public add_request(), runs to its end, and whatever ends the stream
+        # early aborts the request, which vLLM's connector turns into prefill's release.
+        admission = asyncio.ensure_future(self.engine.add_request(rid, prompt, sampling))
         try:
-            async for out in self.engine.generate(prompt, sampling, rid):
-                yield out
+            outputs = await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await admission
+                await self.engine.abort(rid)
+            raise
         except (ValueError, VLLMClientError) as exc:  # vLLM's input checks (length, limits)
             raise InvalidRequest(str(exc)) from None
+        finished = False
+        try:
+            while not finished:
+                out = outputs.get_nowait() or await outputs.get()
+                finished = out.finished
+                yield out
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidRequest(str(exc)) from None
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):  # a dead engine has nothing to abort
+                    await self.engine.abort(rid)
 
     async def check_health(self) -> None:
         """``Unavailable`` when the engine core is dead (vLLM's own health check)."""

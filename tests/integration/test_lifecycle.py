@@ -54,7 +54,15 @@ PHOTO = sample_photo("astronaut")
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     topology = local_topology(tiny_model, LAYOUT, routing={"health_interval_s": 0.5})
-    yield from running_deployment(topology, tmp_path_factory.mktemp("lifecycle"))
+    for deployment in running_deployment(topology, tmp_path_factory.mktemp("lifecycle")):
+        # Decode meets a prefill engine on its first request from it (vLLM's NIXL
+        # handshake, in the background). A KV release decode sends before that handshake
+        # is done waits for decode's next engine step, or prefill's 30 s KV lease if none
+        # comes: 1 in 16 cancels held a block 30 s here, always among the first. The tests
+        # below hold releases to "at once", so decode meets both prefills first.
+        for _ in range(2):  # the front takes the prefills in turn
+            assert generate(deployment.topology.servers["front"].http_url, "epd", "hi", [], 2)
+        yield deployment
 
 
 def _metric(stack: Deployment, server: str, name: str, **labels: str) -> float:
