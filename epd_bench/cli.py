@@ -347,7 +347,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     peer.add_argument("--prompts", type=int, default=80, help="measured requests per run")
     peer.add_argument("--warmups", type=int, default=12, help="requests before each run")
     peer.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    peer.add_argument("--repeats", type=int, default=3, help="runs per peer and kind")
+    peer.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds: each one run per peer and kind, order swapped",
+    )
     peer.add_argument(
         "--kinds",
         default="photo,text,mixed",

@@ -1,15 +1,16 @@
 """``epd bench openai``: our OpenAI endpoint against plain ``vllm serve`` on the same
 checkpoint, with vLLM's own load generator (``vllm bench serve``, OpenAI chat backend).
 
-Back to back on one box: first our deployment (the embedded topology on free ports; its
-``epd`` pipeline, then its one-engine ``aggregated`` baseline through the same front, which
-tells the front's own cost from the disaggregation's), then ``vllm serve`` with the engine
-settings our engines use; never both up at once, so neither pays for the other's idle
-loops. Each kind of request is its own workload, so its numbers are its own: photos (one
-synthetic image per request, every one distinct: no cache hits), text only, and ``mixed``:
-text-only requests measured while photo requests keep half the concurrency busy (what a text
-user feels beside photo traffic, the reason to move the vision tower off the engine);
-warm-up requests excluded; a few repeats per peer give the spread.
+Back to back on one box, in rounds: our deployment (the embedded topology on free ports;
+its ``epd`` pipeline, then its one-engine ``aggregated`` baseline through the same front,
+which tells the front's own cost from the disaggregation's) and ``vllm serve`` with the
+engine settings our engines use, one after the other, who goes first swapped each round;
+never both up at once, so neither pays for the other's idle loops. Each kind of request
+is its own workload, so its numbers are its own: photos (one synthetic image per request,
+every one distinct: no cache hits), text only, and ``mixed``: text-only requests measured
+while photo requests keep half the concurrency busy (what a text user feels beside photo
+traffic, the reason to move the vision tower off the engine); warm-up requests excluded;
+the rounds give the spread.
 """
 
 from __future__ import annotations
@@ -335,41 +336,52 @@ def run(
     workdir: Path,
     kinds: tuple[str, ...] = ALL_KINDS,
 ) -> list[PeerResult]:
-    """Ours, then ``vllm serve``: ``repeats`` runs of each kind against each."""
+    """``repeats`` rounds, each one run of every kind on our deployment and one on ``vllm
+    serve``, the order swapped every round: this box's speed drifts by a third within
+    minutes, so all of ours then all of the peer's compared two different machines."""
     from orchestrator.triton.deployment import Deployment, on_free_ports
 
     topology = on_free_ports(topology)
     name = topology.served_model_name
-    results: list[PeerResult] = []
+    runs: dict[tuple[str, str], list[dict]] = {}
 
-    def measure(peer: str, base_url: str, pids: dict[str, int], model: str = name) -> None:
+    def measure(peer: str, base_url: str, pids: dict[str, int], i: int, model: str) -> None:
         for kind in kinds:
-            runs = []
-            for i in range(repeats):
-                out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
-                before = {server: tree_cpu_s(pid) for server, pid in pids.items()}
-                result = bench_serve(
-                    base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
-                )
-                runs.append(_summary(result))
-                runs[-1]["cpu_ms"] = {
-                    server: round((tree_cpu_s(pid) - before[server]) * 1e3 / (prompts + warmups), 2)
-                    for server, pid in pids.items()
-                }
-                print(f"  {peer:12s} {kind:5s} run {i + 1}: {runs[-1]}", flush=True)
-            results.append(PeerResult(peer, kind, runs))
+            out = workdir / f"{peer.replace(' ', '-')}-{kind}-{i}.json"
+            before = {server: tree_cpu_s(pid) for server, pid in pids.items()}
+            result = bench_serve(
+                base_url, topology.model, model, kind, prompts, warmups, concurrency, out, i
+            )
+            summary = _summary(result)
+            summary["cpu_ms"] = {
+                server: round((tree_cpu_s(pid) - before[server]) * 1e3 / (prompts + warmups), 2)
+                for server, pid in pids.items()
+            }
+            runs.setdefault((peer, kind), []).append(summary)
+            print(f"  {peer:12s} {kind:5s} run {i + 1}: {summary}", flush=True)
 
-    deployment = Deployment(topology, workdir / "serve")
-    with deployment.running(timeout_s=600):
-        front = next(iter(deployment.openai.values()))
-        pids = {server_name: server.pid for server_name, server in deployment.servers.items()}
-        pids |= {f"{n} (OpenAI)": api.pid for n, api in deployment.openai.items()}
-        measure("epd", front.url, pids, "epd")
-        if "aggregated" in deployment.topology.servers[front.server].stages:
-            measure("aggregated", front.url, pids, "aggregated")
-    with vllm_serve(topology, workdir / "vllm-serve.log", name) as (url, pid):
-        measure("vllm serve", url, {"vllm serve": pid})
-    return results
+    def ours(i: int) -> None:
+        deployment = Deployment(topology, workdir / f"serve-{i}")
+        with deployment.running(timeout_s=600):
+            front = next(iter(deployment.openai.values()))
+            pids = {server_name: server.pid for server_name, server in deployment.servers.items()}
+            pids |= {f"{n} (OpenAI)": api.pid for n, api in deployment.openai.items()}
+            measure("epd", front.url, pids, i, "epd")
+            if "aggregated" in deployment.topology.servers[front.server].stages:
+                measure("aggregated", front.url, pids, i, "aggregated")
+
+    def peer(i: int) -> None:
+        with vllm_serve(topology, workdir / f"vllm-serve-{i}.log", name) as (url, pid):
+            measure("vllm serve", url, {"vllm serve": pid}, i, name)
+
+    for i in range(repeats):
+        for side in (ours, peer) if i % 2 == 0 else (peer, ours):
+            side(i)
+    order = {"epd": 0, "aggregated": 1, "vllm serve": 2}
+    return [
+        PeerResult(who, kind, kind_runs)
+        for (who, kind), kind_runs in sorted(runs.items(), key=lambda item: order[item[0][0]])
+    ]
 
 
 def format_report(results: list[PeerResult]) -> str:
@@ -400,18 +412,33 @@ def format_report(results: list[PeerResult]) -> str:
             )
             + ")"
         )
-    lines.append("ratios to vllm serve (medians):")
+    lines.append(
+        "ratios to vllm serve (of the medians; then paired: ours over the peer's run of the "
+        "same round, median [min-max])"
+    )
     for ours_name in ("epd", "aggregated"):
         for kind in ALL_KINDS:
             ours, peer = by.get((ours_name, kind)), by.get(("vllm serve", kind))
             if ours and peer:
-                lines.append(
+                line = (
                     f"  {ours_name:10s} {kind:6s} "
                     f"req/s {ours.median('req_per_s') / peer.median('req_per_s'):.2f}x, "
                     f"TTFT p50 {ours.median('ttft_p50_ms') / peer.median('ttft_p50_ms'):.2f}x, "
                     f"p90 {ours.median('ttft_p90_ms') / peer.median('ttft_p90_ms'):.2f}x"
                 )
+                if len(ours.runs) == len(peer.runs) > 1:
+                    line += "; paired " + ", ".join(
+                        f"{label} {_paired(ours, peer, key)}"
+                        for label, key in (("req/s", "req_per_s"), ("TTFT p90", "ttft_p90_ms"))
+                    )
+                lines.append(line)
     return "\n".join(lines)
+
+
+def _paired(ours: PeerResult, peer: PeerResult, key: str) -> str:
+    """Median [min-max] of ours over the peer's ``key``, run by run (round by round)."""
+    ratios = sorted(o[key] / p[key] for o, p in zip(ours.runs, peer.runs, strict=True))
+    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
 
 
 def write(results: list[PeerResult], path: Path, command: str) -> None:

@@ -258,3 +258,10 @@ def test_openai_report_shows_cpu_per_request_by_server():
     assert "text   epd          total   46.0: llm 35.0, front 11.0" in report
     assert "text   vllm serve   total   25.0: vllm serve 25.0" in report
     assert "epd        text   req/s 0.50x" in report
+    assert "; paired" not in report  # one peer run: no rounds to pair
+
+    # Rounds: each of ours over the peer's run of the same round, not median over median.
+    peer = PeerResult("vllm serve", "text", [run(10, {}), run(22, {})])
+    report = format_report([ours, peer])
+    assert "req/s 0.62x" in report  # 10 / 16
+    assert "paired req/s 0.70x [0.50-0.90], TTFT p90 1.00x [1.00-1.00]" in report
