@@ -162,11 +162,11 @@ class LLMEngine:
 
         rid = request_id or uuid.uuid4().hex
         # vLLM's own generate() aborts only what it has admitted: a request cancelled while
-        # vLLM still processed its input was dropped unseen, and a decode engine's request
-        # then never told prefill to free the KV it held for it (freed by vLLM's 30 s KV
-        # lease instead; 1 in 16 cancels in test_lifecycle's race). So admission, through
-        # the same public add_request(), runs to its end, and whatever ends the stream
-        # early aborts the request, which vLLM's connector turns into prefill's release.
+        # vLLM still processed its input is dropped unseen, and a decode engine's request
+        # then never tells prefill to free the KV it holds for it (vLLM's 30 s KV lease
+        # frees it instead). So admission, through the same public add_request(), runs to
+        # its end, and whatever ends the stream early aborts the request, which vLLM's
+        # connector turns into prefill's release.
         admission = asyncio.ensure_future(self.engine.add_request(rid, prompt, sampling))
         try:
             outputs = await asyncio.shield(admission)
