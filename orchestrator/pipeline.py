@@ -301,7 +301,8 @@ class EPDPipeline:
         """Run cleanup of a failed or cancelled request, bounded: it must not hold the
         request (or its cancellation) open when a stage does not answer."""
         try:
-            await asyncio.wait_for(work, CLEANUP_TIMEOUT_S)
+            async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                await work
         except Exception as exc:  # noqa: BLE001 - logged; the request's own error wins
             log.warning("cleanup after a failed request did not finish: %s", exc)
 
@@ -337,7 +338,8 @@ class EPDPipeline:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             try:
-                result = await asyncio.wait_for(call, CLEANUP_TIMEOUT_S)
+                async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                    result = await call
             except Exception:  # noqa: BLE001 - failed or killed: nothing left to free
                 raise asyncio.CancelledError from None
             if result.kv_transfer_params:

@@ -107,7 +107,8 @@ class StageRoute:
         and taking it out would fail requests it would have served. ``misses_to_down`` in a
         row take it out."""
         try:
-            ready = await asyncio.wait_for(self.targets[name].ready(self.stage), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                ready = await self.targets[name].ready(self.stage)
         except TimeoutError:
             self._missed[name] += 1
             if self._missed[name] < self.misses_to_down:

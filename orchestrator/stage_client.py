@@ -208,7 +208,8 @@ class GrpcStageClient(StageClient):
             while True:
                 wait = min(ctx.idle_timeout_s, ctx.remaining())
                 try:
-                    result, error = await asyncio.wait_for(anext(stream), wait)
+                    async with asyncio.timeout(wait):
+                        result, error = await anext(stream)
                 except StopAsyncIteration:
                     finished = True
                     return

@@ -169,10 +169,11 @@ class JsonLinesExporter:
 
 
 def read_spans(directory: Path) -> list[dict[str, Any]]:
-    """Every span the processes of a deployment wrote to ``directory``."""
+    """Every span the processes of a deployment wrote to ``directory``, so far: the
+    servers write while this reads, and a line without its newline yet is still being
+    written (it is read next time)."""
     spans = []
     for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                spans.append(json.loads(line))
+        *whole, _being_written = path.read_text(encoding="utf-8").split("\n")
+        spans.extend(json.loads(line) for line in whole if line.strip())
     return spans
