@@ -319,26 +319,45 @@ def test_one_name_for_several_encoders_spreads_calls_and_renews_its_channel(stac
     import asyncio
 
     from orchestrator.auth import DeploymentKey
+    from orchestrator.context import RequestContext
+    from orchestrator.protocol import PROBE_PARAMETER
     from orchestrator.stage_client import GrpcStageClient
 
     encoders = [stack.topology.servers[n] for n in ("enc1", "enc2")]
+    url = "ipv4:" + ",".join(f"127.0.0.1:{e.grpc_port}" for e in encoders)
+    probe = {"release": np.array([b"{}"], dtype=np.object_)}  # encode's probe input
 
     def answered() -> list[float]:
         return [scrape(e, "nv_inference_request_success", model="encode") for e in encoders]
 
-    before = answered()
-    url = "ipv4:" + ",".join(f"127.0.0.1:{e.grpc_port}" for e in encoders)
+    def probe_calls(resolve_interval_s: float) -> tuple[int, int]:
+        """20 probe calls of one RPC each (``ready()`` makes two, and round robin over two
+        servers could send each of its probes to the same one): the channels used, and
+        those still open after."""
 
-    async def probe_many() -> int:
-        client = GrpcStageClient(url, DeploymentKey(stack.secret), resolve_interval_s=0.2)
-        try:
-            for _ in range(20):
+        async def run() -> tuple[int, int]:
+            client = GrpcStageClient(url, DeploymentKey(stack.secret), resolve_interval_s)
+            used = set()
+            try:
                 assert await client.ready("encode")
-                await asyncio.sleep(0.05)
-            return len(client._calls)  # channels still open
-        finally:
-            await client.close()
+                for _ in range(20):
+                    ctx = RequestContext.create(timeout_s=30, idle_timeout_s=30)
+                    async for _ in client.call("encode", probe, [], ctx, {PROBE_PARAMETER: "1"}):
+                        pass
+                    used.add(id(client._client))
+                    await asyncio.sleep(0.05)
+                return len(used), len(client._calls)
+            finally:
+                await client.close()
 
-    assert asyncio.run(probe_many()) == 1
+        return asyncio.run(run())
+
+    # One channel: calls alternate between the servers.
+    before = answered()
+    probe_calls(resolve_interval_s=3600)
     spread = [a - b for a, b in zip(answered(), before, strict=True)]
     assert sum(spread) >= 20 and min(spread) >= 5, spread
+    # Renewed every 0.2 s (a fresh channel sends its first calls to whichever server it
+    # reached first, so no spread is asked of these): no call fails, old channels close.
+    used, still_open = probe_calls(resolve_interval_s=0.2)
+    assert used >= 3 and still_open == 1, (used, still_open)
