@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import faulthandler
 import json
 import locale
@@ -85,6 +86,16 @@ def dump_stacks_on_signal() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+class SentTicket:
+    """One queued response; the request's next response waits until this one is sent."""
+
+    __slots__ = ("sent", "waiter")
+
+    def __init__(self) -> None:
+        self.sent = False
+        self.waiter: asyncio.Future | None = None
+
+
 class ResponseSendThread:
     """Sends responses from a thread of its own, in the order they were put.
 
@@ -92,30 +103,60 @@ class ResponseSendThread:
     its turn, GIL released); made on the event loop, it stalled the engine's output
     handling and every other request for each token sent. As in Triton's vllm_backend,
     the loop only queues. A failed send is logged: the request's final flag still goes
-    out after it, and its client learns of the end either way."""
+    out after it, and its client learns of the end either way.
 
-    def __init__(self, name: str, pb_utils: Any) -> None:
+    A request hands over its next response only once the previous one is sent
+    (``wait_sent``): while the server is busy, vLLM's output collector merges the tokens
+    that come meanwhile into one delta, as it does for ``vllm serve``'s HTTP stream, so a
+    lagging path sends fewer, larger responses instead of queueing one per token."""
+
+    def __init__(self, name: str, pb_utils: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._pb = pb_utils
-        self._queue: queue.SimpleQueue[tuple[Any, Any, int] | None] = queue.SimpleQueue()
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Any, Any, int, SentTicket] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name=f"{name}-send", daemon=True)
         self._thread.start()
 
-    def send(self, sender: Any, response: Any = None, final: bool = False) -> None:
+    def send(self, sender: Any, response: Any = None, final: bool = False) -> SentTicket:
         flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self._queue.put((sender, response, flags))
+        ticket = SentTicket()
+        self._queue.put((sender, response, flags, ticket))
+        return ticket
+
+    async def wait_sent(self, ticket: SentTicket) -> None:
+        """Return once ``ticket``'s response has left (at once if it has); on the loop."""
+        with self._lock:
+            if ticket.sent:
+                return
+            ticket.waiter = waiter = self._loop.create_future()
+        await waiter
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            sender, response, flags = item
+            sender, response, flags, ticket = item
             try:
                 sender.send(response, flags=flags)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad send
                 self._pb.Logger.log_error(f"sending a response failed:\n{traceback.format_exc()}")
+            with self._lock:
+                ticket.sent = True
+                waiter = ticket.waiter
+            if waiter is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has stopped
+                    self._loop.call_soon_threadsafe(_resolve, waiter)
 
     def stop(self, timeout_s: float = 10) -> None:
         """Send what is queued, then end the thread."""
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # a cancelled request stopped waiting
+        waiter.set_result(None)
 
 
 class DecoupledModelRunner:
@@ -146,7 +187,7 @@ class DecoupledModelRunner:
             target=self._loop.run_forever, name=f"{args['model_name']}-loop", daemon=True
         )
         self._thread.start()
-        self._responses = ResponseSendThread(args["model_name"], pb_utils)
+        self._responses = ResponseSendThread(args["model_name"], pb_utils, self._loop)
         self._inflight: set[concurrent.futures.Future] = set()
         self._live: dict[asyncio.Task, tuple[RequestContext, Any]] = {}
         self._watcher: asyncio.Task | None = None
@@ -229,7 +270,7 @@ class DecoupledModelRunner:
         self.in_flight += not probe
         if self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
-        final_sent = False
+        final_sent, previous = False, None
         try:
             if self._key is not None:
                 self._key.verify_call(
@@ -244,7 +285,9 @@ class DecoupledModelRunner:
                     tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
                     response = pb.InferenceResponse(output_tensors=tensors)
                     final_sent = isinstance(outputs, LastResponse)
-                    responses.send(sender, response, final_sent)
+                    if previous is not None:
+                        await responses.wait_sent(previous)
+                    previous = responses.send(sender, response, final_sent)
                     if final_sent:  # its sender is closing: the watcher must not ask it
                         self._live.pop(task, None)
             if not final_sent:
