@@ -14,7 +14,7 @@ import itertools
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -359,17 +359,38 @@ async def execute(
 
 def hop_stats(spans: list[dict], start_ns: int, end_ns: int) -> dict[str, LatencyStats]:
     """Durations per span name over the ``epd`` requests that began in [start, end]: every
-    span of their traces, in whichever server it ran."""
+    span of their traces, in whichever server it ran; and the ways between the spans
+    (``transport_gaps``)."""
     measured = {
         s["trace_id"]
         for s in spans
         if s["name"] == "epd" and s["parent_id"] is None and start_ns <= s["start_ns"] <= end_ns
     }
+    mine = [s for s in spans if s["trace_id"] in measured]
     by_name: dict[str, list[float]] = {}
-    for s in spans:
-        if s["trace_id"] in measured:
-            by_name.setdefault(s["name"], []).append((s["end_ns"] - s["start_ns"]) / 1e9)
+    for s in mine:
+        by_name.setdefault(s["name"], []).append((s["end_ns"] - s["start_ns"]) / 1e9)
+    for name, seconds in transport_gaps(mine):
+        by_name.setdefault(name, []).append(seconds)
     return {name: LatencyStats.of(values) for name, values in sorted(by_name.items())}
+
+
+def transport_gaps(spans: list[dict]) -> Iterator[tuple[str, float]]:
+    """What a stage call costs outside the stage, from the spans of the same traces: ``X
+    in`` from the caller's ``call X`` to the stage's ``X`` span (the caller's serialising,
+    gRPC, Triton, the python backend's stub and loop), ``X out`` from the stage's end to
+    the caller's (its last response's way back), and ``first_token out`` from an engine's
+    first output to the front's ``stream`` (the first token's way to the front)."""
+    by_id = {s["span_id"]: s for s in spans if "span_id" in s}
+    streams = {s["trace_id"]: s for s in spans if s["name"] == "stream"}
+    for s in spans:
+        call = by_id.get(s["parent_id"])
+        if call is not None and call["name"] == f"call {s['name']}":
+            yield f"{s['name']} in", (s["start_ns"] - call["start_ns"]) / 1e9
+            yield f"{s['name']} out", (call["end_ns"] - s["end_ns"]) / 1e9
+        stream = streams.get(s["trace_id"])
+        if s["name"] == "first_token" and stream is not None:
+            yield "first_token out", (stream["start_ns"] - s["end_ns"]) / 1e9
 
 
 def format_hops(hops: dict[str, LatencyStats]) -> str:

@@ -326,6 +326,10 @@ def test_load_generator_and_report_run_end_to_end(epd_stack, tmp_path):
     # every measured epd request's hops, from the traces (warm-up requests left out)
     assert runs[0].hops_s["epd"].count == 4 and runs[0].hops_s["stream"].count == 4
     assert {"call encode", "encode", "embedding_pull", "first_token"} <= set(runs[0].hops_s)
+    # the ways in and out of each stage call, from spans of different servers
+    llm = "pd" if epd_stack.one_engine else "decode"
+    assert {"encode in", "encode out", f"{llm} in", "first_token out"} <= set(runs[0].hops_s)
+    assert runs[0].hops_s["encode in"].count == runs[0].hops_s["encode"].count
     assert not runs[1].hops_s
     doc = report.render([load.report("test", runs)], tmp_path / "benchmarks.md", tmp_path / "img")
     assert "text-only p90 TTFT under the mixed workload" in doc

@@ -152,3 +152,30 @@ def test_hop_stats_count_the_traces_of_requests_begun_in_the_window():
     assert hops["encode"].count == 3 and hops["encode"].p50 == pytest.approx(0.020)
     table = load.format_hops(hops)
     assert table.splitlines()[1].split()[:3] == ["epd", "40.0", "48.0"]
+
+
+def test_hop_stats_add_each_stage_calls_way_in_and_out_and_the_first_tokens_way_back():
+    def span(name: str, span_id: str, parent: str | None, start_ms: float, end_ms: float):
+        return {
+            "trace_id": "t",
+            "name": name,
+            "span_id": span_id,
+            "parent_id": parent,
+            "start_ns": int(start_ms * 1e6),
+            "end_ns": int(end_ms * 1e6),
+        }
+
+    spans = [
+        span("epd", "1", None, 0, 100),
+        span("call pd", "2", "1", 2, 90),
+        span("pd", "3", "2", 6, 87),  # 4 ms in, 3 ms out
+        span("first_token", "4", "3", 7, 20),
+        span("stream", "5", "1", 22.5, 90),  # the first token reached the front 2.5 ms later
+        span("call encode", "6", "1", 1, 2),
+        span("vision_encoder", "7", "6", 1.2, 1.8),  # not the stage the call names
+    ]
+    hops = load.hop_stats(spans, 0, 10**9)
+    assert hops["pd in"].p50 == pytest.approx(0.004)
+    assert hops["pd out"].p50 == pytest.approx(0.003)
+    assert hops["first_token out"].p50 == pytest.approx(0.0025)
+    assert "vision_encoder in" not in hops and "encode in" not in hops
