@@ -55,6 +55,9 @@ class FrontRequest:
     sampling: SamplingOptions
     stream: bool
     outputs: ExtraOutputs = ExtraOutputs()
+    add_special_tokens: bool = False
+    """The optional ``add_special_tokens`` input (vLLM chat's field of that name): add the
+    tokenizer's special tokens on top of the chat template's. Off by default, as in vLLM."""
 
 
 def bad_image(which: str, exc: ValueError) -> InvalidRequest:
@@ -189,7 +192,14 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
     outputs = ExtraOutputs(
         *(_flag(inputs, f"return_{name}") for name in ExtraOutputs.__dataclass_fields__)
     )
-    return FrontRequest(messages, images, sampling, _flag(inputs, "stream"), outputs)
+    return FrontRequest(
+        messages,
+        images,
+        sampling,
+        _flag(inputs, "stream"),
+        outputs,
+        _flag(inputs, "add_special_tokens"),
+    )
 
 
 def user_turn(text: str, num_images: int) -> dict[str, Any]:
@@ -237,14 +247,18 @@ class PromptBuilder:
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 
     def fit(
-        self, prompt: str, image_tokens: list[int], sampling: SamplingOptions
+        self,
+        prompt: str,
+        image_tokens: list[int],
+        sampling: SamplingOptions,
+        add_special_tokens: bool = False,
     ) -> tuple[int, SamplingOptions]:
         """Prompt length once each image's placeholder expands to its ``image_tokens``, and
         ``sampling`` with ``max_tokens`` settled (``None``: what the context leaves, as
         vLLM's OpenAI server does); ``InvalidRequest`` if it cannot fit. Every family's
-        template writes one placeholder token per image; special tokens are added as vLLM
-        adds them to a text prompt."""
-        text_tokens = len(self.tokenizer(prompt).input_ids)
+        template writes one placeholder token per image; the text is tokenized as the
+        engines will (``add_special_tokens``)."""
+        text_tokens = len(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         total = text_tokens - len(image_tokens) + sum(image_tokens)
         max_tokens = sampling.max_tokens
         if total >= self.max_model_len or total + (max_tokens or 0) > self.max_model_len:

@@ -436,7 +436,9 @@ class PrefillHandler(_PullingHandler):
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
         sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=remote_decode)
         final = None
-        async for out in self.engine.generate(prompt, sampling, request.request_id):
+        async for out in self.engine.generate(
+            prompt, sampling, request.request_id, request.add_special_tokens
+        ):
             final = out
         if final is None:
             raise StageError("prefill produced no output")
@@ -467,7 +469,9 @@ class PrefillDecodeHandler(_PullingHandler):
         request = from_tensor(inputs, "request", PrefillDecodeRequest)
         prompt = await self.puller.prompt(request.prompt, request.handles, ctx)
         sampling = to_vllm_sampling(request.sampling)
-        outputs = self.engine.generate(prompt, sampling, request.request_id)
+        outputs = self.engine.generate(
+            prompt, sampling, request.request_id, request.add_special_tokens
+        )
         responses = completion_responses(deltas_of(outputs), True, ExtraOutputs.every())
         async for response in _timing_first_token(responses, ctx):
             yield response
@@ -514,7 +518,9 @@ class DecodeHandler(_EngineHandler):
         sampling = to_vllm_sampling(request.sampling, extra_args=extra)
         self.admitted.add(request.request_id)
         try:
-            outputs = self.engine.generate(prompt, sampling, request.request_id)
+            outputs = self.engine.generate(
+                prompt, sampling, request.request_id, request.add_special_tokens
+            )
             deltas = deltas_of(outputs)
             responses = completion_responses(deltas, True, ExtraOutputs.every())
             async for response in _timing_first_token(responses, ctx):
@@ -545,11 +551,13 @@ class AggregatedHandler(_EngineHandler):
             except ValueError as exc:
                 raise bad_image(f"image {i + 1} of {len(request.images)}", exc) from None
         text = self.prompts.build_chat(request.messages)
-        _, sampling = self.prompts.fit(text, tokens, request.sampling)
+        _, sampling = self.prompts.fit(text, tokens, request.sampling, request.add_special_tokens)
         prompt: dict[str, Any] = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        outputs = self.engine.generate(prompt, to_vllm_sampling(sampling), ctx.request_id)
+        outputs = self.engine.generate(
+            prompt, to_vllm_sampling(sampling), ctx.request_id, request.add_special_tokens
+        )
         async for response in completion_responses(
             deltas_of(outputs), request.stream, request.outputs
         ):

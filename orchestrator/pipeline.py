@@ -184,7 +184,9 @@ class EPDPipeline:
         are released at once: what was not pulled would stay pinned until its TTL."""
         try:
             tokens = [h.layout.tokens for h in handles]
-            _, sampling = self.prompts.fit(prompt, tokens, request.sampling)
+            _, sampling = self.prompts.fit(
+                prompt, tokens, request.sampling, request.add_special_tokens
+            )
             try:
                 return await begin(handles, sampling), handles, sampling
             except Unavailable as exc:
@@ -217,7 +219,11 @@ class EPDPipeline:
             pulled_by: list[EmbeddingHandle], sampling: SamplingOptions
         ) -> tuple[Delta, AsyncIterator[Delta]]:
             message = PrefillDecodeRequest(
-                request_id=ctx.request_id, prompt=prompt, handles=pulled_by, sampling=sampling
+                request_id=ctx.request_id,
+                prompt=prompt,
+                add_special_tokens=request.add_special_tokens,
+                handles=pulled_by,
+                sampling=sampling,
             )
             stream = self._stream(route, message, ctx)
             try:
@@ -264,7 +270,13 @@ class EPDPipeline:
         async def prefill(
             pulled_by: list[EmbeddingHandle], sampling: SamplingOptions
         ) -> PrefillResult:
-            return await self._prefill_to_the_end(prompt, pulled_by, ctx)
+            message = PrefillRequest(
+                request_id=ctx.request_id,
+                prompt=prompt,
+                add_special_tokens=request.add_special_tokens,
+                handles=pulled_by,
+            )
+            return await self._prefill_to_the_end(message, ctx)
 
         result, handles, sampling = await self._start(
             prefill, prompt, request, handles, holders, ctx
@@ -273,6 +285,7 @@ class EPDPipeline:
         decode = DecodeRequest(
             request_id=ctx.request_id,
             prompt=prompt,
+            add_special_tokens=request.add_special_tokens,
             prompt_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
@@ -323,7 +336,7 @@ class EPDPipeline:
             pass
 
     async def _prefill_to_the_end(
-        self, prompt: str, handles: list[EmbeddingHandle], ctx: RequestContext
+        self, request: PrefillRequest, ctx: RequestContext
     ) -> PrefillResult:
         """Prefill; if the request is stopped meanwhile (client cancel, deadline), prefill
         is let finish (Dynamo's "stop", not "kill"): only its answer says which KV it now
@@ -333,7 +346,7 @@ class EPDPipeline:
         # The call itself may outlive the request by that bound: when the deadline stops the
         # request, prefill (which enforces what we pass it) must not stop at the same time.
         grace = dataclasses.replace(ctx, deadline=ctx.deadline + CLEANUP_TIMEOUT_S)
-        call = asyncio.ensure_future(self._prefill(prompt, handles, grace))
+        call = asyncio.ensure_future(self._prefill(request, grace))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -447,12 +460,9 @@ class EPDPipeline:
                 last = exc
         raise last
 
-    async def _prefill(
-        self, prompt: str, handles: list[EmbeddingHandle], ctx: RequestContext
-    ) -> PrefillResult:
+    async def _prefill(self, request: PrefillRequest, ctx: RequestContext) -> PrefillResult:
         route = self.routes["prefill"]
         name = route.choose()
-        request = PrefillRequest(request_id=ctx.request_id, prompt=prompt, handles=handles)
         message = to_tensor("request", request)
         try:
             with route.use(name) as prefiller:

@@ -209,29 +209,36 @@ _UNSUPPORTED_SAMPLING = {
 }
 
 
-class PrefillRequest(_Wire):
-    """Front -> prefill: the templated prompt and where its image embeddings are."""
+class _PromptRequest(_Wire):
+    """What every engine stage gets: the request's id and its templated prompt."""
 
     request_id: str
     prompt: str
+    """The chat as the model's chat template renders it (``frontend.PromptBuilder``)."""
+    add_special_tokens: bool = False
+    """Whether the tokenizer adds its special tokens (BOS) on top of the template's own.
+    Off, as in vLLM's chat endpoint (its ``add_special_tokens``): the template writes what
+    the model expects; a Llama-style tokenizer would otherwise start the prompt with a
+    second (or a first, unexpected) BOS. Every engine of a request tokenizes alike."""
+
+
+class PrefillRequest(_PromptRequest):
+    """Front -> prefill: the templated prompt and where its image embeddings are."""
+
     handles: list[EmbeddingHandle] = Field(default_factory=list)
 
 
-class PrefillDecodeRequest(_Wire):
+class PrefillDecodeRequest(_PromptRequest):
     """Front -> pd (E+PD): the templated prompt, where its image embeddings are, and how to
     sample; one engine prefills and streams the answer."""
 
-    request_id: str
-    prompt: str
     handles: list[EmbeddingHandle] = Field(default_factory=list)
     sampling: SamplingOptions
 
 
-class DecodeRequest(_Wire):
+class DecodeRequest(_PromptRequest):
     """Front -> decode: prompt, image layouts only (no embeddings) and the KV to pull."""
 
-    request_id: str
-    prompt: str
     prompt_token_ids: list[int] | None = None
     """Prefill's tokenization, for families that need it (``PrefillResult``)."""
     images: list[ImageLayout] = Field(default_factory=list)

@@ -155,6 +155,8 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
     }
     if images:
         inputs["image"] = np.array(images, dtype=np.object_)
+    if request.add_special_tokens:
+        inputs["add_special_tokens"] = np.array([True])
     return inputs
 
 

@@ -1,4 +1,8 @@
-"""Greedy outputs of plain offline ``vllm.LLM.generate`` for the e2e cases (the ground truth).
+"""Greedy outputs of plain offline ``vllm.LLM.chat`` for the e2e cases (the ground truth).
+
+vLLM's own chat path -- its rendering of the checkpoint's chat template and its tokenization
+of the result (no special tokens added on top of the template's, as ``vllm serve``'s chat
+endpoint) -- so the reference shares none of our prompt code.
 
 Run as a subprocess (vLLM and NIXL are not fork-safe and heavy in the pytest process):
 ``python offline_reference.py TOPOLOGY.json CASES.json`` prints ``{case: text}`` as JSON.
@@ -12,7 +16,6 @@ from pathlib import Path
 
 from orchestrator.config import Topology
 from orchestrator.encoder.preprocess import decode_image
-from orchestrator.frontend import PromptBuilder
 from orchestrator.llm import engine_args, engine_env
 
 
@@ -24,16 +27,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_args(topology, server, "aggregated"))
-    prompts = PromptBuilder.for_topology(topology, ("aggregated",))
-    requests, params = [], []
+    chats, params = [], []
     for case in cases.values():
         images = [decode_image(base64.b64decode(b)) for b in case["images"]]
-        request = {"prompt": prompts.build(case["text"], len(images))}
-        if images:
-            request["multi_modal_data"] = {"image": images}
-        requests.append(request)
+        parts = [{"type": "image_pil", "image_pil": image} for image in images]
+        parts.append({"type": "text", "text": case["text"]})  # text_input's shape
+        chats.append([{"role": "user", "content": parts}])
         params.append(SamplingParams(max_tokens=case["max_tokens"], temperature=0.0))
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = llm.chat(chats, params, use_tqdm=False)
     texts = {name: out.outputs[0].text for name, out in zip(cases, outputs, strict=True)}
     print("REFERENCE " + json.dumps(texts), flush=True)
 

@@ -48,7 +48,7 @@ CASES = {
 def offline_reference(
     topology: Topology, cases: dict[str, tuple[str, list[bytes]]], max_tokens: int, tmp: Path
 ) -> dict[str, str]:
-    """Offline ``vllm.LLM.generate`` texts for ``cases``, computed in a subprocess (vLLM and
+    """Offline ``vllm.LLM.chat`` texts for ``cases``, computed in a subprocess (vLLM and
     NIXL are not fork-safe and heavy in the pytest process)."""
     (tmp / "topology.json").write_text(topology.model_dump_json())
     payload = {
@@ -81,7 +81,7 @@ def offline_reference(
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Offline ``vllm.LLM.generate`` texts for every case (once for both layouts)."""
+    """Offline ``vllm.LLM.chat`` texts for every case (once for both layouts)."""
     topology = local_topology(tiny_model, EPD_LAYOUT)
     return offline_reference(topology, CASES, MAX_TOKENS, tmp_path_factory.mktemp("reference"))
 

@@ -6,6 +6,8 @@ for token (fp32 compute), on a real photo, two images, odd sizes and a text-only
 from __future__ import annotations
 
 import io
+import json
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -86,3 +88,38 @@ def test_the_comparison_can_fail(family_stack, reference):
     assert len(set(reference.values())) == len(reference)
     stats = wait_unpinned(family_stack.server_of("encode")[1])
     assert stats["pinned_handles"] == 0, stats
+
+
+def _generate(topology: Topology, model: str, text: str, **inputs: bool) -> tuple[int, str]:
+    """``num_input_tokens`` and text of a greedy answer through Triton's generate endpoint."""
+    body = {
+        "text_input": text,
+        "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0}),
+        "return_num_input_tokens": True,
+        **inputs,
+    }
+    request = urllib.request.Request(
+        f"http://{topology.server_of('epd')[1].http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    return int(answer["num_input_tokens"]), answer["text_output"]
+
+
+def test_special_tokens_are_added_on_top_of_the_template_only_when_asked(family_stack):
+    """As in vLLM's chat endpoint: the template's prompt is tokenized without the
+    tokenizer's special tokens unless ``add_special_tokens`` says so (Llama's BOS for
+    LLaVA: one token more; Qwen's tokenizer adds none), alike in every engine."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(family_stack.model))
+    added = len(tokenizer("hello").input_ids) - len(
+        tokenizer("hello", add_special_tokens=False).input_ids
+    )
+    text = "Tell me a story about a robot."
+    plain = {m: _generate(family_stack, m, text) for m in ("epd", "aggregated")}
+    asked = {m: _generate(family_stack, m, text, add_special_tokens=True) for m in plain}
+    assert plain["epd"] == plain["aggregated"] and asked["epd"] == asked["aggregated"]
+    assert asked["epd"][0] - plain["epd"][0] == added

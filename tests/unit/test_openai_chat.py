@@ -10,8 +10,15 @@ import json
 import pytest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from orchestrator.frontend import Delta
-from orchestrator.openai_server.chat import Answer, check_supported, conversation, sampling
+from orchestrator.config import Limits
+from orchestrator.frontend import Delta, parse_front_request
+from orchestrator.openai_server.chat import (
+    Answer,
+    check_supported,
+    conversation,
+    model_inputs,
+    sampling,
+)
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.protocol import InvalidRequest, TooLarge
 
@@ -72,6 +79,13 @@ def test_sampling_is_vllms_reading_with_the_checkpoints_defaults():
     assert sampling(request(), {}).max_tokens is None  # what the context leaves
     with pytest.raises(InvalidRequest, match="max_tokens"):
         sampling(request(max_tokens=-5), {})
+
+
+def test_add_special_tokens_reaches_the_pipeline_off_by_default_as_in_vllm():
+    loader = MediaLoader([], timeout_s=1, max_bytes=8)
+    for fields, expected in (({}, False), ({"add_special_tokens": True}, True)):
+        inputs = asyncio.run(model_inputs(request(**fields), {}, loader))
+        assert parse_front_request(inputs, Limits()).add_special_tokens is expected
 
 
 def test_media_urls():
