@@ -45,7 +45,7 @@ def _workload_of(requests: list, model: Path, rate: float, output_tokens: float,
 
     from orchestrator.config import default_topology
     from orchestrator.families import family_for
-    from orchestrator.frontend import PromptBuilder
+    from orchestrator.frontend import PromptBuilder, user_turn
     from orchestrator.protocol import SamplingOptions
 
     topology = default_topology(model)
@@ -54,7 +54,7 @@ def _workload_of(requests: list, model: Path, rate: float, output_tokens: float,
     sizes: Counter[str] = Counter()
     text_tokens = []
     for request in requests:
-        prompt = prompts.build(request.text, len(request.images))
+        prompt = prompts.render_now([user_turn(request.text, len(request.images))])
         images = [Image.open(io.BytesIO(data)).size for data in request.images]
         for width, height in images:
             sizes[f"{width}x{height}"] += 1

@@ -13,6 +13,8 @@ input costs nothing and gets a message naming the problem.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -218,6 +220,15 @@ def context_length(topology: Topology, roles: tuple[LLMRole, ...]) -> int:
     )
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A chat rendered by the model's template: the text the engines take, and its tokens as
+    they will count them (each image's placeholder as one token)."""
+
+    text: str
+    text_tokens: int
+
+
 class PromptBuilder:
     """Applies the model's own chat template with one image slot per image."""
 
@@ -226,6 +237,9 @@ class PromptBuilder:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.max_model_len = max_model_len
+        # One thread of its own, as vLLM's server tokenizes: a long prompt takes a second
+        # (1 MiB of text), which on the event loop stalled every other request's stream.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prompt")
 
     @classmethod
     def for_topology(cls, topology: Topology, roles: tuple[LLMRole, ...]) -> PromptBuilder:
@@ -246,20 +260,43 @@ class PromptBuilder:
         except Exception as exc:  # noqa: BLE001 - the template's own complaint (jinja)
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 
+    def render_now(
+        self, messages: list[dict[str, Any]], add_special_tokens: bool = False
+    ) -> Prompt:
+        """The conversation's prompt, tokenized as the engines will (``add_special_tokens``)."""
+        text = self.build_chat(messages)
+        return Prompt(text, self.count_tokens(text, add_special_tokens))
+
+    async def render(
+        self, messages: list[dict[str, Any]], add_special_tokens: bool = False
+    ) -> Prompt:
+        """``render_now`` on the builder's own thread, off the caller's event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._thread, self.render_now, messages, add_special_tokens
+        )
+
+    def count_tokens(self, text: str, add_special_tokens: bool) -> int:
+        """How many tokens ``text`` is. A fast tokenizer counts through its batch call,
+        which releases the GIL while it works (its single ``encode`` does not), in the
+        variant without character offsets: 2.6x faster on 1 MiB of text, and its result is
+        freed in 1 ms where the full one held the GIL for 100 ms; no ids list is built."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            batch = [text]
+            (encoding,) = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
+            return len(encoding)
+        return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
     def fit(
-        self,
-        prompt: str,
-        image_tokens: list[int],
-        sampling: SamplingOptions,
-        add_special_tokens: bool = False,
+        self, prompt: Prompt, image_tokens: list[int], sampling: SamplingOptions
     ) -> tuple[int, SamplingOptions]:
         """Prompt length once each image's placeholder expands to its ``image_tokens``, and
         ``sampling`` with ``max_tokens`` settled (``None``: what the context leaves, as
         vLLM's OpenAI server does); ``InvalidRequest`` if it cannot fit. Every family's
-        template writes one placeholder token per image; the text is tokenized as the
-        engines will (``add_special_tokens``)."""
-        text_tokens = len(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-        total = text_tokens - len(image_tokens) + sum(image_tokens)
+        template writes one placeholder token per image, so with no ``image_tokens`` given
+        this is a lower bound: what does not fit then never will."""
+        total = prompt.text_tokens - len(image_tokens) + sum(image_tokens)
         max_tokens = sampling.max_tokens
         if total >= self.max_model_len or total + (max_tokens or 0) > self.max_model_len:
             asked = f" + max_tokens ({max_tokens})" if max_tokens else ""

@@ -539,20 +539,29 @@ class AggregatedHandler(_EngineHandler):
         self.limits = ctx.topology.limits
         self.prompts = PromptBuilder.for_topology(ctx.topology, ("aggregated",))
 
-    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
+    def _decode_images(self, encoded: list[bytes]) -> tuple[list[Any], list[int]]:
+        """The request's images (PIL) and the tokens each takes, made off the loop (the
+        engine's outputs are handled there); a bad image is ``InvalidRequest`` naming it."""
         from orchestrator.encoder.preprocess import decode_image
 
-        request = parse_front_request(inputs, self.limits)
         images, tokens = [], []
-        for i, data in enumerate(request.images):
+        for i, data in enumerate(encoded):
             try:
                 images.append(decode_image(data, self.limits.max_image_pixels))
                 tokens.append(self.family.image_layout(images[-1].width, images[-1].height).tokens)
             except ValueError as exc:
-                raise bad_image(f"image {i + 1} of {len(request.images)}", exc) from None
-        text = self.prompts.build_chat(request.messages)
-        _, sampling = self.prompts.fit(text, tokens, request.sampling, request.add_special_tokens)
-        prompt: dict[str, Any] = {"prompt": text}
+                raise bad_image(f"image {i + 1} of {len(encoded)}", exc) from None
+        return images, tokens
+
+    async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
+        request = parse_front_request(inputs, self.limits)
+        rendered = await self.prompts.render(request.messages, request.add_special_tokens)
+        self.prompts.fit(rendered, [], request.sampling)  # too long already: decode nothing
+        images, tokens = await asyncio.get_running_loop().run_in_executor(
+            None, self._decode_images, request.images
+        )
+        _, sampling = self.prompts.fit(rendered, tokens, request.sampling)
+        prompt: dict[str, Any] = {"prompt": rendered.text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
         outputs = self.engine.generate(

@@ -28,6 +28,7 @@ from orchestrator.frontend import (
     DELTA_OUTPUTS,
     Delta,
     FrontRequest,
+    Prompt,
     PromptBuilder,
     completion_responses,
     parse_front_request,
@@ -147,7 +148,8 @@ class EPDPipeline:
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
-        prompt = self.prompts.build_chat(request.messages)
+        prompt = await self.prompts.render(request.messages, request.add_special_tokens)
+        self.prompts.fit(prompt, [], request.sampling)  # too long already: no image is encoded
         stages = ("encode", *self.llm_stages) if request.images else self.llm_stages
         for stage in stages:  # text-only requests do not need an encoder
             await self.routes[stage].require(self.routing.probe_timeout_s)
@@ -171,7 +173,7 @@ class EPDPipeline:
     async def _start(
         self,
         begin: Callable[[list[EmbeddingHandle], SamplingOptions], Awaitable[T]],
-        prompt: str,
+        prompt: Prompt,
         request: FrontRequest,
         handles: list[EmbeddingHandle],
         holders: list[str],
@@ -184,9 +186,7 @@ class EPDPipeline:
         are released at once: what was not pulled would stay pinned until its TTL."""
         try:
             tokens = [h.layout.tokens for h in handles]
-            _, sampling = self.prompts.fit(
-                prompt, tokens, request.sampling, request.add_special_tokens
-            )
+            _, sampling = self.prompts.fit(prompt, tokens, request.sampling)
             try:
                 return await begin(handles, sampling), handles, sampling
             except Unavailable as exc:
@@ -206,7 +206,7 @@ class EPDPipeline:
 
     async def _prefill_and_decode(
         self,
-        prompt: str,
+        prompt: Prompt,
         request: FrontRequest,
         handles: list[EmbeddingHandle],
         holders: list[str],
@@ -220,7 +220,7 @@ class EPDPipeline:
         ) -> tuple[Delta, AsyncIterator[Delta]]:
             message = PrefillDecodeRequest(
                 request_id=ctx.request_id,
-                prompt=prompt,
+                prompt=prompt.text,
                 add_special_tokens=request.add_special_tokens,
                 handles=pulled_by,
                 sampling=sampling,
@@ -257,7 +257,7 @@ class EPDPipeline:
 
     async def _prefill_then_decode(
         self,
-        prompt: str,
+        prompt: Prompt,
         request: FrontRequest,
         handles: list[EmbeddingHandle],
         holders: list[str],
@@ -272,7 +272,7 @@ class EPDPipeline:
         ) -> PrefillResult:
             message = PrefillRequest(
                 request_id=ctx.request_id,
-                prompt=prompt,
+                prompt=prompt.text,
                 add_special_tokens=request.add_special_tokens,
                 handles=pulled_by,
             )
@@ -284,7 +284,7 @@ class EPDPipeline:
         self.seconds["prefill"].observe(time.perf_counter() - started)
         decode = DecodeRequest(
             request_id=ctx.request_id,
-            prompt=prompt,
+            prompt=prompt.text,
             add_special_tokens=request.add_special_tokens,
             prompt_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],

@@ -1,11 +1,12 @@
 """Limits at the public edge: each refused with a message naming the input, before any
-stage works (pure parsing, no servers)."""
+stage works (pure parsing, no servers); prompts rendered and counted as the engines will."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -15,11 +16,14 @@ from orchestrator.config import Limits
 from orchestrator.frontend import (
     Delta,
     ExtraOutputs,
+    Prompt,
+    PromptBuilder,
     completion_responses,
     parse_front_request,
     tensors_delta,
+    user_turn,
 )
-from orchestrator.protocol import InvalidRequest, LastResponse
+from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions
 
 
 def _png(width: int, height: int) -> bytes:
@@ -156,3 +160,31 @@ def test_optional_outputs_follow_vllm_backend():
 
 async def _plain(deltas):
     return [r async for r in completion_responses(deltas(), False, ExtraOutputs())]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_prompts_are_counted_as_the_tokenizer_counts_them(hub_checkpoint, family):
+    prompts = PromptBuilder(hub_checkpoint(family), max_model_len=64)
+    text = prompts.build("Describe both.", 2)  # the template's own special tokens inside
+    for add in (False, True):
+        expected = len(prompts.tokenizer(text, add_special_tokens=add).input_ids)
+        assert prompts.count_tokens(text, add) == expected
+    rendered = prompts.render_now([user_turn("Describe both.", 2)])
+    assert rendered == Prompt(text, prompts.count_tokens(text, False))
+    # two images of 5 tokens each: the placeholders count once in the text already
+    total, sampling = prompts.fit(rendered, [5, 5], SamplingOptions(max_tokens=None))
+    assert total == rendered.text_tokens + 8 and sampling.max_tokens == 64 - total
+    with pytest.raises(InvalidRequest, match="exceeds the model's context of 64 tokens"):
+        prompts.fit(rendered, [], SamplingOptions(max_tokens=64))
+
+
+def test_prompts_are_rendered_off_the_callers_loop(hub_checkpoint):
+    class Recording(PromptBuilder):
+        def render_now(self, messages, add_special_tokens=False):
+            self.thread = threading.current_thread().name
+            return super().render_now(messages, add_special_tokens)
+
+    prompts = Recording(hub_checkpoint("qwen2_vl"), max_model_len=64)
+    rendered = asyncio.run(prompts.render([user_turn("hi", 0)]))
+    assert rendered.text_tokens > 0
+    assert prompts.thread.startswith("prompt") and prompts.thread != "MainThread"
