@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -315,17 +314,18 @@ async def _chat(service: ChatService, raw: Request) -> Response:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
             return stage_error_response(exc)
-        answer = Answer(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model or model)
+        # The answer's id is the client's request_id, as vLLM names it; inside, the
+        # request gets an id of its own (a client's may collide with another's in every
+        # stage's bookkeeping: handles released by request id, KV abandoned by it).
+        answer = Answer(id=f"chatcmpl-{request.request_id}", model=request.model or model)
         limits = service.limits
-        ctx = RequestContext.create(
-            limits.request_timeout_s, limits.stream_idle_timeout_s, answer.id
-        )
+        ctx = RequestContext.create(limits.request_timeout_s, limits.stream_idle_timeout_s)
         # The request's span, under the client's trace when it sent a traceparent header.
         span = tracing.start(
             "chat.completions",
             tracing.remote_context(raw.headers),
             tracing.trace.SpanKind.SERVER,
-            **{"epd.request_id": answer.id, "epd.model": model},
+            **{"epd.request_id": ctx.request_id, "epd.answer_id": answer.id, "epd.model": model},
         )
         ctx.trace = tracing.within(span)
         deltas = service.deltas(model, inputs, ctx)

@@ -48,6 +48,27 @@ def generation_defaults(model: Path) -> dict[str, Any]:
     return defaults
 
 
+SERVED_FIELDS = frozenset(
+    {
+        # the conversation and how it is rendered and tokenized
+        "messages", "model", "add_generation_prompt", "add_special_tokens",
+        # the answer's shape
+        "stream", "stream_options", "request_id",
+        # sampling: vLLM's to_sampling_params reads them; SamplingOptions carries them
+        "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+        "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+        "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
+        "spaces_between_special_tokens",
+        # what vllm serve without a reasoning parser or tools does not act on either
+        "user", "include_reasoning", "parallel_tool_calls",
+    }
+)  # fmt: skip
+"""Fields of vLLM's ``ChatCompletionRequest`` this server acts on as ``vllm serve`` does.
+Any other field a request sets to something but its default is refused by name: a new
+vLLM field is refused until it is served, never silently dropped."""
+
+
 def check_supported(request: Any) -> None:
     """Refuse, by name, what this server would otherwise have to ignore."""
     refusals = {
@@ -71,6 +92,13 @@ def check_supported(request: Any) -> None:
     for name, why in refusals.items():
         if why:
             raise InvalidRequest(f"{name}: {why}")
+    fields = type(request).model_fields
+    for name in sorted(request.model_fields_set - SERVED_FIELDS - refusals.keys()):
+        if getattr(request, name) != fields[name].get_default(call_default_factory=True):
+            raise InvalidRequest(f"{name}: not supported by this server")
+    options = request.stream_options
+    if options is not None and options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats: not supported")
 
 
 @dataclass

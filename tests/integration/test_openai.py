@@ -144,6 +144,10 @@ def test_answers_as_triton_generate_does(stack, client, case):
     whole = client.chat.completions.create(model=model, messages=messages, **GREEDY)
     text, finish, usage = streamed(client, model, messages)
     assert whole.id.startswith("chatcmpl-") and whole.model == model
+    mine = client.chat.completions.create(
+        model=model, messages=messages, extra_body={"request_id": f"mine-{case}"}, **GREEDY
+    )
+    assert mine.id == f"chatcmpl-mine-{case}"  # as vLLM names its answers
     assert whole.choices[0].message.content == text == triton_generate(stack, messages)
     assert whole.choices[0].finish_reason == finish == "length"
     assert whole.usage.completion_tokens == usage.completion_tokens == 12
@@ -234,6 +238,7 @@ def test_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
         ({"messages": [{"role": "tool", "content": "x"}]}, 400, "role 'tool'"),
         ({"messages": [{"role": "user", "content": [image_part(PHOTO)] * 3}]}, 413, "3 images"),
         ({"max_tokens": 100_000}, 400, "exceeds the model's context"),
+        ({"extra_body": {"cache_salt": "tenant-a"}}, 400, "cache_salt: not supported"),
     ]
     for request, status, message in cases:
         got = _status(client, **request)

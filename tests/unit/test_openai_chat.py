@@ -44,6 +44,43 @@ def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
         check_supported(request(**fields))
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cache_salt": "tenant-a"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"mm_processor_kwargs": {"max_pixels": 1024}},
+        {"truncate_prompt_tokens": 8},
+        {"echo": True},
+        {"priority": 3},
+        {"kv_transfer_params": {"do_remote_prefill": True}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    ],
+)
+def test_fields_this_server_does_not_serve_are_refused_by_name_never_ignored(fields):
+    name = next(iter(fields)) if "stream_options" not in fields else "continuous_usage_stats"
+    with pytest.raises(InvalidRequest, match=name):
+        check_supported(request(**fields))
+
+
+def test_fields_sent_with_their_default_values_and_what_vllm_ignores_too_pass():
+    check_supported(
+        request(
+            echo=False,
+            priority=0,
+            cache_salt=None,
+            user="someone",
+            include_reasoning=False,
+            request_id="mine",
+            stream=True,
+            stream_options={"include_usage": True},
+            add_special_tokens=True,
+            seed=3,
+            logit_bias={"5": 1.0},
+        )
+    )
+
+
 def test_images_stay_where_they_are_in_the_conversation():
     url = "data:image/png;base64,AAAA"
     chat = conversation(
