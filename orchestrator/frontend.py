@@ -283,8 +283,7 @@ class PromptBuilder:
         freed in 1 ms where the full one held the GIL for 100 ms; no ids list is built."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            batch = [text]
-            (encoding,) = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
+            (encoding,) = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
             return len(encoding)
         return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
