@@ -26,7 +26,7 @@ TARGET = "offline-vllm"
 async def _run(plan: LoadPlan, model: Path) -> list[RunResult]:
     from orchestrator.config import default_topology
     from orchestrator.encoder.preprocess import decode_image
-    from orchestrator.frontend import PromptBuilder
+    from orchestrator.frontend import PromptBuilder, user_turn
     from orchestrator.llm import LLMEngine, engine_args, engine_env, to_vllm_sampling
     from orchestrator.protocol import SamplingOptions
 
@@ -42,7 +42,8 @@ async def _run(plan: LoadPlan, model: Path) -> list[RunResult]:
         sample = Sample(request.kind, time.perf_counter())
         try:
             images = [decode_image(data) for data in request.images]
-            prompt = {"prompt": prompts.build(request.text, len(images))}
+            turn = user_turn(request.text, len(images))
+            prompt = {"prompt_token_ids": prompts.render_now([turn]).token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             async for out in engine.generate(prompt, sampling):

@@ -304,14 +304,14 @@ class EmbeddingPuller:
         )
 
     async def prompt(
-        self, text: str, handles: list[EmbeddingHandle], ctx: RequestContext
+        self, token_ids: list[int], handles: list[EmbeddingHandle], ctx: RequestContext
     ) -> dict[str, Any]:
-        """vLLM's prompt for ``text`` with the handles' images, their embeddings pulled."""
+        """vLLM's prompt of ``token_ids`` with the handles' images, their embeddings pulled."""
         for handle in handles:
             self.check_handle(handle)
         for handle in handles:
             _remember(self.used, handle.handle_id, None, USED_HANDLES_REMEMBERED)
-        prompt: dict[str, Any] = {"prompt": text}
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         if handles:
             nbytes = sum(h.nbytes for h in handles)
             with tracing.span("embedding_pull", ctx.trace, images=len(handles), bytes=nbytes):
@@ -430,15 +430,13 @@ class PrefillHandler(_PullingHandler):
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request: PrefillRequest = from_tensor(inputs, "request", PrefillRequest)
-        prompt = await self.puller.prompt(request.prompt, request.handles, ctx)
+        prompt = await self.puller.prompt(request.prompt_token_ids, request.handles, ctx)
         from vllm import SamplingParams
 
         remote_decode = {"kv_transfer_params": {"do_remote_decode": True}}
         sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=remote_decode)
         final = None
-        async for out in self.engine.generate(
-            prompt, sampling, request.request_id, request.add_special_tokens
-        ):
+        async for out in self.engine.generate(prompt, sampling, request.request_id):
             final = out
         if final is None:
             raise StageError("prefill produced no output")
@@ -467,11 +465,9 @@ class PrefillDecodeHandler(_PullingHandler):
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request = from_tensor(inputs, "request", PrefillDecodeRequest)
-        prompt = await self.puller.prompt(request.prompt, request.handles, ctx)
+        prompt = await self.puller.prompt(request.prompt_token_ids, request.handles, ctx)
         sampling = to_vllm_sampling(request.sampling)
-        outputs = self.engine.generate(
-            prompt, sampling, request.request_id, request.add_special_tokens
-        )
+        outputs = self.engine.generate(prompt, sampling, request.request_id)
         responses = completion_responses(deltas_of(outputs), True, ExtraOutputs.every())
         async for response in _timing_first_token(responses, ctx):
             yield response
@@ -510,7 +506,10 @@ class DecodeHandler(_EngineHandler):
             raise Cancelled(f"request {request.request_id} was abandoned before decode")
         try:
             prompt = self.family.decode_prompt(
-                request.prompt, request.prompt_token_ids, request.images, request.image_hashes
+                request.prompt_token_ids,
+                request.prefilled_token_ids,
+                request.images,
+                request.image_hashes,
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -518,9 +517,7 @@ class DecodeHandler(_EngineHandler):
         sampling = to_vllm_sampling(request.sampling, extra_args=extra)
         self.admitted.add(request.request_id)
         try:
-            outputs = self.engine.generate(
-                prompt, sampling, request.request_id, request.add_special_tokens
-            )
+            outputs = self.engine.generate(prompt, sampling, request.request_id)
             deltas = deltas_of(outputs)
             responses = completion_responses(deltas, True, ExtraOutputs.every())
             async for response in _timing_first_token(responses, ctx):
@@ -561,12 +558,10 @@ class AggregatedHandler(_EngineHandler):
             None, self._decode_images, request.images
         )
         _, sampling = self.prompts.fit(rendered, tokens, request.sampling)
-        prompt: dict[str, Any] = {"prompt": rendered.text}
+        prompt: dict[str, Any] = {"prompt_token_ids": rendered.token_ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        outputs = self.engine.generate(
-            prompt, to_vllm_sampling(sampling), ctx.request_id, request.add_special_tokens
-        )
+        outputs = self.engine.generate(prompt, to_vllm_sampling(sampling), ctx.request_id)
         async for response in completion_responses(
             deltas_of(outputs), request.stream, request.outputs
         ):

@@ -153,17 +153,11 @@ class LLMEngine:
         return cls(args, engine_env(ctx.topology, ctx.server, role))
 
     async def generate(
-        self,
-        prompt: dict[str, Any],
-        sampling,
-        request_id: str | None = None,
-        add_special_tokens: bool = False,
+        self, prompt: dict[str, Any], sampling, request_id: str | None = None
     ) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas for a vLLM prompt dict (text or token ids,
-        ``multi_modal_data``, ``multi_modal_uuids``, ``cache_salt``); a text prompt is
-        tokenized with or without the tokenizer's special tokens (our prompts come from the
-        chat template: without, as vLLM's chat endpoint). vLLM's input errors become
-        ``InvalidRequest``."""
+        """Yield vLLM ``RequestOutput`` deltas for a vLLM prompt dict (token ids as the front
+        tokenized them, ``multi_modal_data``, ``multi_modal_uuids``, ``cache_salt``); vLLM's
+        input errors become ``InvalidRequest``."""
         from vllm.exceptions import VLLMClientError
 
         rid = request_id or uuid.uuid4().hex
@@ -173,10 +167,7 @@ class LLMEngine:
         # frees it instead). So admission, through the same public add_request(), runs to
         # its end, and whatever ends the stream early aborts the request, which vLLM's
         # connector turns into prefill's release.
-        tokenization = {"add_special_tokens": add_special_tokens}
-        admission = asyncio.ensure_future(
-            self.engine.add_request(rid, prompt, sampling, tokenization_kwargs=tokenization)
-        )
+        admission = asyncio.ensure_future(self.engine.add_request(rid, prompt, sampling))
         try:
             outputs = await asyncio.shield(admission)
         except asyncio.CancelledError:

@@ -220,8 +220,7 @@ class EPDPipeline:
         ) -> tuple[Delta, AsyncIterator[Delta]]:
             message = PrefillDecodeRequest(
                 request_id=ctx.request_id,
-                prompt=prompt.text,
-                add_special_tokens=request.add_special_tokens,
+                prompt_token_ids=prompt.token_ids,
                 handles=pulled_by,
                 sampling=sampling,
             )
@@ -272,8 +271,7 @@ class EPDPipeline:
         ) -> PrefillResult:
             message = PrefillRequest(
                 request_id=ctx.request_id,
-                prompt=prompt.text,
-                add_special_tokens=request.add_special_tokens,
+                prompt_token_ids=prompt.token_ids,
                 handles=pulled_by,
             )
             return await self._prefill_to_the_end(message, ctx)
@@ -284,9 +282,8 @@ class EPDPipeline:
         self.seconds["prefill"].observe(time.perf_counter() - started)
         decode = DecodeRequest(
             request_id=ctx.request_id,
-            prompt=prompt.text,
-            add_special_tokens=request.add_special_tokens,
-            prompt_token_ids=result.prompt_token_ids,
+            prompt_token_ids=prompt.token_ids,
+            prefilled_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
             sampling=sampling,
@@ -326,7 +323,7 @@ class EPDPipeline:
         ctx = RequestContext.create(CLEANUP_TIMEOUT_S, CLEANUP_TIMEOUT_S, f"{request_id}-x")
         message = DecodeRequest(
             request_id=request_id,
-            prompt="",
+            prompt_token_ids=[],
             sampling=SamplingOptions(),
             kv_transfer_params=kv_params,
             abandon=True,

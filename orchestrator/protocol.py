@@ -132,8 +132,8 @@ class PrefillResult(_Wire):
     """Returned by the NixlConnector producer; ``None`` when KV transfer is off."""
     num_prompt_tokens: int
     prompt_token_ids: list[int] | None = None
-    """The prompt as prefill's engine tokenized it, image placeholders expanded: sent only
-    for families whose decode cannot be given images as metadata (LLaVA)."""
+    """The prompt as prefill's engine took it, image placeholders expanded: sent only for
+    families whose decode cannot be given images as metadata (LLaVA)."""
 
 
 class SamplingOptions(_Wire):
@@ -210,16 +210,13 @@ _UNSUPPORTED_SAMPLING = {
 
 
 class _PromptRequest(_Wire):
-    """What every engine stage gets: the request's id and its templated prompt."""
+    """What every engine stage gets: the request's id and its prompt's tokens."""
 
     request_id: str
-    prompt: str
-    """The chat as the model's chat template renders it (``frontend.PromptBuilder``)."""
-    add_special_tokens: bool = False
-    """Whether the tokenizer adds its special tokens (BOS) on top of the template's own.
-    Off, as in vLLM's chat endpoint (its ``add_special_tokens``): the template writes what
-    the model expects; a Llama-style tokenizer would otherwise start the prompt with a
-    second (or a first, unexpected) BOS. Every engine of a request tokenizes alike."""
+    prompt_token_ids: list[int]
+    """The chat as the model's chat template renders it, tokenized once, by the front
+    (``frontend.PromptBuilder``; each image's placeholder one token, expanded by vLLM): what
+    vLLM's chat endpoint hands its engine. Engines do not tokenize it again."""
 
 
 class PrefillRequest(_PromptRequest):
@@ -239,8 +236,9 @@ class PrefillDecodeRequest(_PromptRequest):
 class DecodeRequest(_PromptRequest):
     """Front -> decode: prompt, image layouts only (no embeddings) and the KV to pull."""
 
-    prompt_token_ids: list[int] | None = None
-    """Prefill's tokenization, for families that need it (``PrefillResult``)."""
+    prefilled_token_ids: list[int] | None = None
+    """Prefill's prompt with each image's tokens in place, for families that need it
+    (``PrefillResult.prompt_token_ids``)."""
     images: list[ImageLayout] = Field(default_factory=list)
     """Each image's token count and grid (from its handle): enough to place the image
     tokens and, for Qwen, the mRoPE positions; the KV itself arrives from prefill."""

@@ -160,18 +160,18 @@ class ModelFamily(ABC):
     @abstractmethod
     def decode_prompt(
         self,
-        prompt: str,
-        prompt_token_ids: list[int] | None,
+        token_ids: list[int],
+        prefilled_token_ids: list[int] | None,
         layouts: list[ImageLayout],
         image_hashes: list[str],
     ) -> dict[str, Any]:
-        """The vLLM prompt of a KV-consumer decode: the KV of every prompt token arrives
-        from prefill, so only what places the image tokens (and keeps different images
-        apart in decode's prefix cache) is needed."""
+        """The vLLM prompt of a KV-consumer decode from the front's ``token_ids``: the KV of
+        every prompt token arrives from prefill, so only what places the image tokens (and
+        keeps different images apart in decode's prefix cache) is needed."""
 
     decode_needs_token_ids: ClassVar[bool] = False
-    """Whether ``decode_prompt`` needs prefill's ``prompt_token_ids`` (families whose vLLM
-    input has no metadata-only form)."""
+    """Whether ``decode_prompt`` needs prefill's ``prefilled_token_ids`` (families whose
+    vLLM input has no metadata-only form)."""
 
     def encoder_id(self, weights_sha256: str) -> str:
         """Identity of an exported encoder (part of embedding cache keys)."""

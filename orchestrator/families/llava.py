@@ -235,17 +235,17 @@ class LlavaFamily(ModelFamily):
 
     def decode_prompt(
         self,
-        prompt: str,
-        prompt_token_ids: list[int] | None,
+        token_ids: list[int],
+        prefilled_token_ids: list[int] | None,
         layouts: list[ImageLayout],
         image_hashes: list[str],
     ) -> dict[str, Any]:
         if not layouts:
-            return {"prompt": prompt}
-        if not prompt_token_ids:
+            return {"prompt_token_ids": token_ids}
+        if not prefilled_token_ids:
             raise ValueError("LLaVA decode needs prefill's prompt token ids")
         salt = hashlib.sha256("\0".join(image_hashes).encode()).hexdigest()
-        return {"prompt_token_ids": list(prompt_token_ids), "cache_salt": salt}
+        return {"prompt_token_ids": prefilled_token_ids, "cache_salt": salt}
 
 
 @functools.cache

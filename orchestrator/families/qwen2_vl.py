@@ -247,8 +247,8 @@ class Qwen2VLFamily(ModelFamily):
 
     def decode_prompt(
         self,
-        prompt: str,
-        prompt_token_ids: list[int] | None,
+        token_ids: list[int],
+        prefilled_token_ids: list[int] | None,
         layouts: list[ImageLayout],
         image_hashes: list[str],
     ) -> dict[str, Any]:
@@ -257,7 +257,7 @@ class Qwen2VLFamily(ModelFamily):
         would otherwise hash only the grids and share prefix-cache blocks between them)."""
         import torch
 
-        request: dict[str, Any] = {"prompt": prompt}
+        request: dict[str, Any] = {"prompt_token_ids": token_ids}
         if layouts:
             grids = torch.tensor([lay.grid_thw for lay in layouts], dtype=torch.int64)
             request["multi_modal_data"] = {"image": {"image_grid_thw": grids}}

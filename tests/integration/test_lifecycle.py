@@ -245,7 +245,7 @@ def test_deadline_fails_the_request_not_the_server(stack):
 def _decode_request(**overrides) -> dict[str, np.ndarray]:
     body = {
         "request_id": "forged",
-        "prompt": "hi",
+        "prompt_token_ids": [1, 2],
         "sampling": {"max_tokens": 2},
         "kv_transfer_params": {
             "do_remote_prefill": True,
@@ -293,7 +293,7 @@ def test_internal_models_refuse_outsiders(stack):
         call_internal(decode, "decode", _decode_request(), mac="0" * 64)
     # signed for another body: the MAC binds the inputs
     with pytest.raises(CallFailed, match="UNAUTHENTICATED"):
-        good = {"request": _decode_request(prompt="other")["request"]}
+        good = {"request": _decode_request(prompt_token_ids=[3])["request"]}
         from orchestrator.auth import DeploymentKey
 
         mac = DeploymentKey.from_env().sign_call("decode", "some-id", good)
@@ -326,18 +326,21 @@ def _prefill(
 ) -> PrefillResult:
     """Prefill one image as the front would; decode is then told to free the KV prefill
     holds for it (nobody decodes it), as the front does for a request that ends there."""
-    from orchestrator.frontend import PromptBuilder
+    from orchestrator.frontend import PromptBuilder, user_turn
 
-    prompt = PromptBuilder.for_topology(stack.topology, ("prefill",)).build("hi", 1)
+    prompts = PromptBuilder.for_topology(stack.topology, ("prefill",))
+    prompt = prompts.render_now([user_turn("hi", 1)])
     request_id = request_id or f"t{time.monotonic_ns()}"
-    request = PrefillRequest(request_id=request_id, prompt=prompt, handles=[handle])
+    request = PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt.token_ids, handles=[handle]
+    )
     [response] = call_internal(
         stack.topology.servers["prefill1"], "prefill", to_tensor("request", request)
     )
     result = from_tensor(response, "result", PrefillResult)
     abandon = DecodeRequest(
         request_id=request.request_id,
-        prompt="",
+        prompt_token_ids=[],
         sampling=SamplingOptions(),
         kv_transfer_params=result.kv_transfer_params,
         abandon=True,
@@ -354,7 +357,7 @@ def test_decode_refuses_a_request_abandoned_before_it_arrived(stack):
     result = _prefill(stack, _real_handle(stack), request_id="late-arrival")
     late = DecodeRequest(
         request_id="late-arrival",
-        prompt="hi",
+        prompt_token_ids=[1, 2],
         sampling=SamplingOptions(max_tokens=2),
         kv_transfer_params=result.kv_transfer_params,
     )

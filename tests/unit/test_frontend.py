@@ -163,19 +163,40 @@ async def _plain(deltas):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_prompts_are_counted_as_the_tokenizer_counts_them(hub_checkpoint, family):
+def test_prompts_are_tokenized_as_the_tokenizer_tokenizes_them(hub_checkpoint, family):
     prompts = PromptBuilder(hub_checkpoint(family), max_model_len=64)
     text = prompts.build("Describe both.", 2)  # the template's own special tokens inside
     for add in (False, True):
-        expected = len(prompts.tokenizer(text, add_special_tokens=add).input_ids)
-        assert prompts.count_tokens(text, add) == expected
+        expected = prompts.tokenizer(text, add_special_tokens=add).input_ids
+        assert prompts.tokenize(text, add) == expected
     rendered = prompts.render_now([user_turn("Describe both.", 2)])
-    assert rendered == Prompt(text, prompts.count_tokens(text, False))
+    assert rendered == Prompt(text, prompts.tokenize(text, False))
     # two images of 5 tokens each: the placeholders count once in the text already
     total, sampling = prompts.fit(rendered, [5, 5], SamplingOptions(max_tokens=None))
     assert total == rendered.text_tokens + 8 and sampling.max_tokens == 64 - total
     with pytest.raises(InvalidRequest, match="exceeds the model's context of 64 tokens"):
         prompts.fit(rendered, [], SamplingOptions(max_tokens=64))
+
+
+def test_a_tokenizer_that_asks_to_truncate_does_not_cut_the_prompt(hub_checkpoint, tmp_path):
+    """The engines take the front's token ids as they are: a tokenizer.json that truncates
+    (HF's own calls switch that off) must not shorten a prompt that is then refused as
+    too long, or worse, served cut."""
+    import shutil
+
+    model = shutil.copytree(hub_checkpoint("qwen2_vl"), tmp_path / "model")
+    config = json.loads((model / "tokenizer.json").read_text())
+    config["truncation"] = {
+        "direction": "Right",
+        "max_length": 3,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    (model / "tokenizer.json").write_text(json.dumps(config))
+    prompts = PromptBuilder(model, max_model_len=64)
+    text = prompts.build("Describe this in many more words than three.", 0)
+    ids = prompts.tokenize(text, False)
+    assert len(ids) > 3 and ids == prompts.tokenizer(text, add_special_tokens=False).input_ids
 
 
 def test_prompts_are_rendered_off_the_callers_loop(hub_checkpoint):
