@@ -220,13 +220,13 @@ class _PromptRequest(_Wire):
 
 
 class PrefillRequest(_PromptRequest):
-    """Front -> prefill: the templated prompt and where its image embeddings are."""
+    """Front -> prefill: the prompt's tokens and where its image embeddings are."""
 
     handles: list[EmbeddingHandle] = Field(default_factory=list)
 
 
 class PrefillDecodeRequest(_PromptRequest):
-    """Front -> pd (E+PD): the templated prompt, where its image embeddings are, and how to
+    """Front -> pd (E+PD): the prompt's tokens, where its image embeddings are, and how to
     sample; one engine prefills and streams the answer."""
 
     handles: list[EmbeddingHandle] = Field(default_factory=list)
@@ -234,7 +234,8 @@ class PrefillDecodeRequest(_PromptRequest):
 
 
 class DecodeRequest(_PromptRequest):
-    """Front -> decode: prompt, image layouts only (no embeddings) and the KV to pull."""
+    """Front -> decode: the prompt's tokens, image layouts only (no embeddings) and the KV
+    to pull."""
 
     prefilled_token_ids: list[int] | None = None
     """Prefill's prompt with each image's tokens in place, for families that need it
