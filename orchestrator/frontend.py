@@ -240,11 +240,13 @@ class PromptBuilder:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        if (backend := getattr(self.tokenizer, "backend_tokenizer", None)) is not None:
-            # Read by ``tokenize``: a tokenizer.json may ask to truncate or pad, which HF's
-            # own calls switch off and a too-long prompt must not meet (it is refused).
-            backend.no_truncation()
-            backend.no_padding()
+        self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        """A fast tokenizer's own (``tokenize`` calls it directly)."""
+        if self._backend is not None:
+            # A tokenizer.json may ask to truncate or pad, which HF's own calls switch off
+            # and a too-long prompt must not meet (it is refused, never served cut).
+            self._backend.no_truncation()
+            self._backend.no_padding()
         self.max_model_len = max_model_len
         # One thread of its own, as vLLM's server tokenizes: a long prompt takes a second
         # (1 MiB of text), which on the event loop stalled every other request's stream.
@@ -291,9 +293,10 @@ class PromptBuilder:
         releases the GIL while it works (its single ``encode`` does not), in the variant
         without character offsets: 2.6x faster on 1 MiB of text, and its result is freed
         in 1 ms where the full one held the GIL for 100 ms."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            (encoding,) = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        if self._backend is not None:
+            (encoding,) = self._backend.encode_batch_fast(
+                [text], add_special_tokens=add_special_tokens
+            )
             return encoding.ids
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
