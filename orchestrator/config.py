@@ -227,6 +227,12 @@ class RoutingSpec(_Spec):
     again. A name that stands for several pods (a headless Kubernetes Service whose
     Deployment an autoscaler resizes) gains the new pods within this period; calls are
     spread over all of them (round robin per call)."""
+    reply_channel: bool = True
+    """Stages write their responses straight to the front over a TCP connection of their
+    own (``orchestrator/reply_channel.py``) instead of back through Triton; requests,
+    cancellation and errors still go through Triton. Each process that runs the pipeline
+    listens on an ephemeral port of its server's bind address, which the stage servers
+    must be able to reach (``false``: every response through Triton, as before)."""
 
 
 class TracingSpec(_Spec):

@@ -53,6 +53,7 @@ from orchestrator.protocol import (
     from_tensor,
     to_tensor,
 )
+from orchestrator.reply_channel import ReplyListener
 from orchestrator.router import HealthMonitor, ReuseIndex, StageRoute
 from orchestrator.stage_client import GrpcStageClient, StageClient
 from orchestrator.triton.runner import ModelContext
@@ -87,6 +88,9 @@ class EPDPipeline:
         """Where a prompt goes after its images are encoded: E+PD or E/P/D."""
         self.prompts = PromptBuilder.for_topology(topo, self.llm_stages)
         key = DeploymentKey.from_env()
+        self.replies = None
+        if topo.routing.reply_channel:
+            self.replies = ReplyListener(topo.servers[server].bind_address, key.reply_token)
         self._clients: dict[str, StageClient] = {}
         self.routes: dict[StageName, StageRoute] = {}
         for stage in ("encode", *self.llm_stages):
@@ -94,7 +98,9 @@ class EPDPipeline:
             for name, spec in topo.servers_of(stage).items():
                 if name not in self._clients:
                     url = spec.local_grpc_url if name == server else spec.grpc_url
-                    self._clients[name] = GrpcStageClient(url, key, topo.routing.resolve_interval_s)
+                    self._clients[name] = GrpcStageClient(
+                        url, key, topo.routing.resolve_interval_s, self.replies
+                    )
                 targets[name] = self._clients[name]
             self.routes[stage] = StageRoute(stage, targets, topo.routing.probe_misses_to_down)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
@@ -141,6 +147,8 @@ class EPDPipeline:
         """A pipeline on the running loop that calls the stages from ``server`` (its own
         stages over loopback): in the ``epd`` model, or in the OpenAI front beside it."""
         pipeline = cls(topology, server, metrics)
+        if pipeline.replies is not None:
+            await pipeline.replies.start()
         pipeline.metrics.start()
         pipeline.health.start()
         return pipeline
@@ -476,6 +484,8 @@ class EPDPipeline:
             await self.health.stop()
             for client in self._clients.values():
                 await client.close()
+            if self.replies is not None:
+                await self.replies.close()
 
 
 async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:

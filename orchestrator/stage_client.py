@@ -25,6 +25,7 @@ from orchestrator.protocol import (
     Unavailable,
     error_from_message,
 )
+from orchestrator.reply_channel import REPLY_PARAMETER, ReplyListener
 
 Tensors = dict[str, np.ndarray]
 
@@ -133,14 +134,28 @@ class GrpcStageClient(StageClient):
     The aio client cannot ask for Triton's empty final response, so a request that ends
     with a data-less final flag is finished when the server closes the stream (it does so
     once our single request is complete and we have half-closed).
+
+    With ``replies`` (a started ``ReplyListener``), the callee writes its responses to that
+    listener instead (``reply_channel``): the call yields them as they arrive there and
+    ends at the last one, while the gRPC stream, read beside them, brings only the
+    callee's errors and its final flag.
     """
 
-    def __init__(self, url: str, key: DeploymentKey, resolve_interval_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        key: DeploymentKey,
+        resolve_interval_s: float = 30.0,
+        replies: ReplyListener | None = None,
+    ) -> None:
         import tritonclient.grpc.aio as grpcclient
 
         self._mod = grpcclient
         self._url = url
         self._key = key
+        self._replies = replies
+        self._reply_address: str | None = None
+        self._draining: set[asyncio.Task] = set()
         self._headers = {GRPC_EDGE_HEADER: key.edge_token}
         self._resolve_interval_s = resolve_interval_s
         self._client = self._open()
@@ -177,7 +192,16 @@ class GrpcStageClient(StageClient):
             tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
             tensor.set_data_from_numpy(value)
             infer_inputs.append(tensor)
-        mac = self._key.sign_call(model, ctx.request_id, inputs)
+        parameters = dict(parameters or {})
+        reply_call, inbox = None, None
+        if self._replies is not None:
+            reply_call, inbox = self._replies.open()
+            if self._reply_address is None:
+                self._reply_address = self._replies.address_toward(_host_of(self._url))
+            parameters[REPLY_PARAMETER] = f"{self._reply_address}/{reply_call}"
+        mac = self._key.sign_call(
+            model, ctx.request_id, inputs, parameters.get(REPLY_PARAMETER, "")
+        )
         span = tracing.start(
             f"call {model}",
             ctx.trace,
@@ -193,7 +217,7 @@ class GrpcStageClient(StageClient):
             "parameters": {
                 MAC_PARAMETER: mac,
                 **tracing.carrier(tracing.within(span)),
-                **(parameters or {}),
+                **parameters,
             },
         }
 
@@ -203,31 +227,17 @@ class GrpcStageClient(StageClient):
         client = self._channel()
         self._calls[client] += 1
         stream = client.stream_infer(requests(), headers=self._headers)
+        watch = None
         finished = False
         try:
-            while True:
-                wait = min(ctx.idle_timeout_s, ctx.remaining())
-                try:
-                    async with asyncio.timeout(wait):
-                        result, error = await anext(stream)
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                except TimeoutError:
-                    what = "deadline" if wait < ctx.idle_timeout_s else "idle timeout"
-                    raise DeadlineExceeded(
-                        f"{model} at {self._url}: no response within {wait:.1f}s ({what}) "
-                        f"for request {ctx.request_id}"
-                    ) from None
-                if error is not None:
-                    finished = True
-                    raise error_from_message(error.message())
-                response = result.get_response()
-                if response.outputs:
-                    yield {o.name: result.as_numpy(o.name) for o in response.outputs}
-                if response.parameters["triton_final_response"].bool_param:
-                    finished = True
-                    return
+            if inbox is None:
+                responses = self._triton_responses(stream, model, ctx)
+            else:
+                watch = asyncio.get_running_loop().create_task(self._watch(stream, inbox, model))
+                responses = self._reply_responses(inbox, model, ctx)
+            async for response in responses:
+                yield response
+            finished = True
         except StageError as exc:
             tracing.failed(span, exc)
             raise
@@ -236,12 +246,115 @@ class GrpcStageClient(StageClient):
             raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
         finally:
             span.end()
-            if not finished:  # we stop early (cancelled, timed out): so must the callee
-                stream.cancel()
-            self._calls[client] -= 1
-            if client is not self._client and self._calls[client] == 0:
-                del self._calls[client]
-                await client.close()
+            if reply_call is not None:
+                self._replies.forget(reply_call)
+            if watch is not None and finished and not watch.done():
+                # The answer is complete and Triton's final flag on its way: let it come.
+                drain = asyncio.get_running_loop().create_task(
+                    self._drain(watch, stream, client, ctx.idle_timeout_s)
+                )
+                self._draining.add(drain)
+                drain.add_done_callback(self._draining.discard)
+            else:
+                if watch is not None:
+                    watch.cancel()
+                if not finished:  # we stop early (cancelled, timed out): so must the callee
+                    stream.cancel()
+                await self._release(client)
+
+    async def _triton_responses(
+        self, stream: Any, model: str, ctx: RequestContext
+    ) -> AsyncIterator[Tensors]:
+        """The call's responses as the gRPC stream brings them."""
+        while True:
+            wait = min(ctx.idle_timeout_s, ctx.remaining())
+            try:
+                async with asyncio.timeout(wait):
+                    result, error = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise self._timed_out(model, wait, ctx) from None
+            if error is not None:
+                raise error_from_message(error.message())
+            response = result.get_response()
+            if response.outputs:
+                yield {o.name: result.as_numpy(o.name) for o in response.outputs}
+            if response.parameters["triton_final_response"].bool_param:
+                return
+
+    async def _reply_responses(
+        self, inbox: asyncio.Queue, model: str, ctx: RequestContext
+    ) -> AsyncIterator[Tensors]:
+        """The call's responses from its reply channel, up to the last one. The gRPC
+        stream's watcher puts the callee's error or end on the same queue (``last`` None)."""
+        triton_ended = False
+        while True:
+            wait = min(ctx.idle_timeout_s, ctx.remaining())
+            try:
+                async with asyncio.timeout(wait):
+                    last, payload = await inbox.get()
+            except TimeoutError:
+                if triton_ended:
+                    raise StageError(
+                        f"{model} at {self._url} ended request {ctx.request_id} but its "
+                        "answer never came over the reply channel"
+                    ) from None
+                raise self._timed_out(model, wait, ctx) from None
+            if last is None:
+                if payload is not None:
+                    raise payload
+                triton_ended = True  # its frames left before the final flag: still coming
+                continue
+            if payload:
+                yield payload
+            if last:
+                return
+
+    async def _watch(self, stream: Any, inbox: asyncio.Queue, model: str) -> None:
+        """Read a reply-channel call's gRPC stream to its end: the callee's error, or its
+        end, goes on ``inbox``."""
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    inbox.put_nowait((None, error_from_message(error.message())))
+                    return
+                response = result.get_response()
+                if response.outputs:
+                    wrong = StageError(f"{model} answered on Triton, not on the reply channel")
+                    inbox.put_nowait((None, wrong))
+                    return
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+        except Exception as exc:  # grpc errors: unreachable, reset
+            inbox.put_nowait((None, StageUnreachable(f"{model} at {self._url} failed: {exc}")))
+            return
+        inbox.put_nowait((None, None))
+
+    async def _drain(self, watch: asyncio.Task, stream: Any, client: Any, wait_s: float) -> None:
+        """Wait (bounded) for the rest of a finished call's gRPC stream, then release it."""
+        try:
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(watch)
+        except TimeoutError:
+            watch.cancel()
+            stream.cancel()
+        finally:
+            await self._release(client)
+
+    async def _release(self, client: Any) -> None:
+        """One call on ``client`` is over; a replaced channel closes with its last call."""
+        self._calls[client] -= 1
+        if client is not self._client and self._calls[client] == 0:
+            del self._calls[client]
+            await client.close()
+
+    def _timed_out(self, model: str, wait: float, ctx: RequestContext) -> DeadlineExceeded:
+        what = "deadline" if wait < ctx.idle_timeout_s else "idle timeout"
+        return DeadlineExceeded(
+            f"{model} at {self._url}: no response within {wait:.1f}s ({what}) "
+            f"for request {ctx.request_id}"
+        )
 
     async def ready(self, model: str) -> bool:
         """The server is ready and ``model`` answers a probe (the engines inside are alive).
@@ -278,6 +391,13 @@ class GrpcStageClient(StageClient):
             return False
 
     async def close(self) -> None:
+        for drain in list(self._draining):
+            drain.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         for client in list(self._calls):
             await client.close()
         self._calls.clear()
+
+
+def _host_of(url: str) -> str:
+    return url.rsplit(":", 1)[0].strip("[]")

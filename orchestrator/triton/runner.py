@@ -31,7 +31,19 @@ from orchestrator import tracing
 from orchestrator.auth import MAC_PARAMETER, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.protocol import PROBE_PARAMETER, LastResponse, StageError, error_message
+from orchestrator.protocol import (
+    PROBE_PARAMETER,
+    LastResponse,
+    StageError,
+    error_message,
+)
+from orchestrator.reply_channel import (
+    REPLY_PARAMETER,
+    Reply,
+    ReplyWriter,
+    encode_frame,
+    parse_reply_to,
+)
 
 Tensors = dict[str, np.ndarray]
 
@@ -114,16 +126,33 @@ class ResponseSendThread:
         self._pb = pb_utils
         self._loop = loop
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Any, Any, int, SentTicket] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], SentTicket] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=f"{name}-send", daemon=True)
         self._thread.start()
 
-    def send(self, sender: Any, response: Any = None, final: bool = False) -> SentTicket:
+    def send(
+        self, sender: Any, response: Any = None, final: bool = False, reply: Reply | None = None
+    ) -> SentTicket:
+        """Queue a Triton response; the final one of a call whose reply channel failed
+        (``reply_channel``) is sent as an ``INTERNAL`` error instead."""
         flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+
+        def send() -> None:
+            answer = response
+            if reply is not None and reply.broken:
+                host, port = reply.address
+                failed = StageError(f"the reply channel to {host}:{port} failed")
+                error = self._pb.TritonError(error_message(failed), self._pb.TritonError.INTERNAL)
+                answer = self._pb.InferenceResponse(error=error)
+            sender.send(answer, flags=flags)
+
+        return self._put(send)
+
+    def _put(self, action: Callable[[], None]) -> SentTicket:
         ticket = SentTicket()
-        self._queue.put((sender, response, flags, ticket))
+        self._queue.put((action, ticket))
         return ticket
 
     async def wait_sent(self, ticket: SentTicket) -> None:
@@ -136,9 +165,9 @@ class ResponseSendThread:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            sender, response, flags, ticket = item
+            action, ticket = item
             try:
-                sender.send(response, flags=flags)
+                action()
             except Exception:  # noqa: BLE001 - the thread must outlive one bad send
                 self._pb.Logger.log_error(f"sending a response failed:\n{traceback.format_exc()}")
             with self._lock:
@@ -187,7 +216,6 @@ class DecoupledModelRunner:
             target=self._loop.run_forever, name=f"{args['model_name']}-loop", daemon=True
         )
         self._thread.start()
-        self._responses = ResponseSendThread(args["model_name"], pb_utils, self._loop)
         self._inflight: set[concurrent.futures.Future] = set()
         self._live: dict[asyncio.Task, tuple[RequestContext, Any]] = {}
         self._watcher: asyncio.Task | None = None
@@ -197,6 +225,8 @@ class DecoupledModelRunner:
         self.public = public
         self._limits = ctx.topology.limits
         self._key = None if public else DeploymentKey.from_env()
+        self._responses = ResponseSendThread(args["model_name"], pb_utils, self._loop)
+        self._replies = None if self._key is None else ReplyWriter(self._key.reply_token)
         self.handler: StageHandler = asyncio.run_coroutine_threadsafe(
             make_handler(ctx), self._loop
         ).result(start_timeout_s)
@@ -270,28 +300,44 @@ class DecoupledModelRunner:
         self.in_flight += not probe
         if self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
-        final_sent, previous = False, None
+        final_sent, previous, reply = False, None, None
         try:
             if self._key is not None:
+                reply_to = str(parameters.get(REPLY_PARAMETER, ""))
                 self._key.verify_call(
-                    self.model, call.request_id, call.inputs, parameters.get(MAC_PARAMETER)
+                    self.model,
+                    call.request_id,
+                    call.inputs,
+                    parameters.get(MAC_PARAMETER),
+                    reply_to,
                 )
+                if reply_to:
+                    reply = Reply(*parse_reply_to(reply_to))
             if probe:
                 await self._check_health()
             else:
                 async for outputs in self.handler.generate(call.inputs, ctx):
                     if final_sent:
                         raise RuntimeError(f"{self.model} yielded after its last response")
-                    tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
-                    response = pb.InferenceResponse(output_tensors=tensors)
                     final_sent = isinstance(outputs, LastResponse)
-                    if previous is not None:
+                    if previous is not None:  # Triton's path (a reply channel waits in write)
                         await responses.wait_sent(previous)
-                    previous = responses.send(sender, response, final_sent)
+                    if reply is not None:
+                        await self._replies.write(
+                            reply, encode_frame(reply.call, outputs, final_sent)
+                        )
+                        if final_sent:
+                            responses.send(sender, final=True, reply=reply)
+                    else:
+                        tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
+                        response = pb.InferenceResponse(output_tensors=tensors)
+                        previous = responses.send(sender, response, final_sent)
                     if final_sent:  # its sender is closing: the watcher must not ask it
                         self._live.pop(task, None)
             if not final_sent:
-                responses.send(sender, final=True)
+                if reply is not None:
+                    await self._replies.write(reply, encode_frame(reply.call, {}, last=True))
+                responses.send(sender, final=True, reply=reply)
         except asyncio.CancelledError:
             stopped = ctx.stop_error()
             if stopped is None:  # the loop is shutting down, not our watcher
@@ -370,6 +416,8 @@ class DecoupledModelRunner:
     async def _close(self) -> None:
         try:
             await self._metrics.stop()
+            if self._replies is not None:
+                await self._replies.close()
         finally:
             await self.handler.close()
             tracing.shutdown()

@@ -10,6 +10,7 @@ import numpy as np
 
 from orchestrator.auth import GRPC_EDGE_HEADER, MAC_PARAMETER, DeploymentKey
 from orchestrator.config import ServerSpec
+from orchestrator.reply_channel import REPLY_PARAMETER
 from orchestrator.stage_client import triton_dtype
 
 
@@ -25,12 +26,16 @@ def call_internal(
     edge_header: bool = True,
     sign: bool = True,
     mac: str | None = None,
+    reply_to: str = "",
+    sign_reply_to: bool = True,
     timeout_s: float = 120,
 ) -> list[dict[str, np.ndarray]]:
-    """One streamed call of ``model`` on ``server``; its responses' tensors, or
-    ``CallFailed`` with the server's error message. By default the call carries what the
-    front's calls carry (Triton's edge header and the call's MAC, from the test
-    process's ``EPD_DEPLOYMENT_SECRET``); ``mac`` replaces the MAC, ``sign=False`` omits it."""
+    """One streamed call of ``model`` on ``server``; its responses' tensors (those Triton
+    brought), or ``CallFailed`` with the server's error message. By default the call
+    carries what the front's calls carry (Triton's edge header and the call's MAC, from
+    the test process's ``EPD_DEPLOYMENT_SECRET``); ``mac`` replaces the MAC, ``sign=False``
+    omits it. ``reply_to`` asks for the answer on that reply channel, bound into the MAC
+    unless ``sign_reply_to=False``."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -42,8 +47,11 @@ def call_internal(
         tensor.set_data_from_numpy(value)
         tensors.append(tensor)
     parameters = {}
+    if reply_to:
+        parameters[REPLY_PARAMETER] = reply_to
     if sign:
-        parameters[MAC_PARAMETER] = mac or key.sign_call(model, request_id, inputs)
+        signed_reply_to = reply_to if sign_reply_to else ""
+        parameters[MAC_PARAMETER] = mac or key.sign_call(model, request_id, inputs, signed_reply_to)
     headers = {GRPC_EDGE_HEADER: key.edge_token} if edge_header else None
     results: queue.Queue = queue.Queue()
     responses: list[dict[str, np.ndarray]] = []

@@ -27,8 +27,10 @@ from orchestrator.client import generate, request_inputs, sample_photo
 from orchestrator.protocol import (
     DecodeRequest,
     EmbeddingHandle,
+    EncodeResult,
     PrefillRequest,
     PrefillResult,
+    ReleaseRequest,
     SamplingOptions,
     from_tensor,
     to_tensor,
@@ -311,6 +313,59 @@ def test_internal_models_refuse_outsiders(stack):
                 timeout=10,
             )
     assert generate(front.http_url, "epd", "hello", [PHOTO], 4)
+
+
+def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
+    """The front takes stage answers over its reply channel, not through Triton. A real
+    stage answers there, and Triton's stream brings only the end; an address the call's
+    MAC does not bind is refused; a caller that is gone ends the call with an error, and
+    the stage serves on."""
+    import asyncio
+    import socket
+    import uuid
+
+    from orchestrator.auth import DeploymentKey
+    from orchestrator.reply_channel import ReplyListener
+
+    encoder = stack.topology.servers["encoder"]
+    release = to_tensor("release", ReleaseRequest(request_id=uuid.uuid4().hex))
+
+    async def main() -> None:
+        listener = ReplyListener("127.0.0.1", DeploymentKey.from_env().reply_token)
+        await listener.start()
+        try:
+            call, inbox = listener.open()
+            reply_to = f"127.0.0.1:{listener.port}/{call}"
+            through_triton = await asyncio.to_thread(
+                call_internal, encoder, "encode", release, reply_to=reply_to
+            )
+            assert through_triton == []
+            async with asyncio.timeout(10):
+                frames = [await inbox.get()]
+                while not frames[-1][0]:  # up to the one marked last
+                    frames.append(await inbox.get())
+            answers = [outputs for _, outputs in frames if outputs]
+            assert [from_tensor(a, "handles", EncodeResult).handles for a in answers] == [[]]
+            with pytest.raises(CallFailed, match="UNAUTHENTICATED"):
+                await asyncio.to_thread(
+                    call_internal,
+                    encoder,
+                    "encode",
+                    release,
+                    reply_to=reply_to,
+                    sign_reply_to=False,
+                )
+            assert inbox.empty()
+        finally:
+            await listener.close()
+
+    asyncio.run(main())
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}/{uuid.uuid4().hex}"
+    with pytest.raises(CallFailed, match="INTERNAL: the reply channel to 127.0.0.1:"):
+        call_internal(encoder, "encode", release, reply_to=gone)
+    assert generate(_front(stack).http_url, "epd", "hello", [PHOTO], 4)
 
 
 def _real_handle(stack: Deployment) -> EmbeddingHandle:

@@ -38,7 +38,14 @@ pytestmark = pytest.mark.server
 def transport_stack(
     request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Topology]:
-    topology = local_topology(tiny_model, EPD_LAYOUT, transfer=TransferSpec(kind=request.param))
+    # The inline stack also answers through Triton (no reply channel), so that path, the
+    # one `routing.reply_channel: false` keeps, stays token-exact too.
+    topology = local_topology(
+        tiny_model,
+        EPD_LAYOUT,
+        transfer=TransferSpec(kind=request.param),
+        routing={"reply_channel": request.param != "inline"},
+    )
     yield from running_stack(topology, tmp_path_factory.mktemp(request.param))
 
 

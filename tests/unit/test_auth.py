@@ -38,6 +38,17 @@ def test_a_call_mac_verifies_only_for_its_model_id_and_inputs():
         DeploymentKey("x" * 64).verify_call("prefill", "r1", INPUTS, mac)
 
 
+def test_a_call_mac_binds_where_its_answers_go():
+    """A reply channel named by anyone but the caller would send the answer elsewhere."""
+    mac = KEY.sign_call("pd", "r1", INPUTS, "10.0.0.1:4000/abc")
+    KEY.verify_call("pd", "r1", INPUTS, mac, "10.0.0.1:4000/abc")
+    for reply_to in ("", "10.0.0.2:4000/abc", "10.0.0.1:4000/abd"):
+        with pytest.raises(Unauthenticated, match="not valid"):
+            KEY.verify_call("pd", "r1", INPUTS, mac, reply_to)
+    with pytest.raises(Unauthenticated, match="not valid"):  # nor added to an unbound call
+        KEY.verify_call("pd", "r1", INPUTS, KEY.sign_call("pd", "r1", INPUTS), "x:1/y")
+
+
 def test_parts_cannot_be_shifted_between_fields():
     """Length prefixes: ("ab", "c") and ("a", "bc") are different calls."""
     assert KEY.sign_call("ab", "c", {}) != KEY.sign_call("a", "bc", {})

@@ -393,7 +393,12 @@ def test_network_policy_lets_only_the_front_in_and_only_stages_reach_transfers()
     policies = by_kind("NetworkPolicy")
     deny = policies["epd-default-deny"]["spec"]
     assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}  # no rule: nothing in
-    assert _admitted("front") == [(None, {"http", "grpc", "openai"}), (None, {"metrics"})]
+    # the front: its public ports from anyone; the stages' reply channels (any port)
+    assert _admitted("front") == [
+        (None, {"http", "grpc", "openai"}),
+        ({"encoder", "prefill", "decode"}, None),
+        (None, {"metrics"}),
+    ]
     # stage gRPC from the front only; transfers (any port) from the stage that reads them
     assert _admitted("decode") == [({"front"}, {"grpc"}), (None, {"metrics"})]
     # prefill: gRPC from the front, KV reads (any port) from decode

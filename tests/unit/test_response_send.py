@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestrator.reply_channel import Reply
 from orchestrator.triton.runner import ResponseSendThread
 
 FINAL = 1
@@ -106,3 +107,31 @@ def test_a_failed_send_is_logged_and_still_counts_as_sent(loop):
     thread.stop()
     assert sender.sent == [("last", FINAL)]
     assert len(errors) == 1 and "the server refused it" in errors[0]
+
+
+def test_a_call_whose_reply_channel_failed_ends_in_an_error_not_a_clean_final(loop):
+    """Its answer never reached the caller: a clean final flag would read as an empty
+    answer there, so the final carries the failure instead."""
+    errors: list[str] = []
+    pb = pb_utils(errors)
+    pb.TritonError = TritonError
+    pb.InferenceResponse = lambda error: ("error", error.message, error.code)
+    sender = HeldSender(fail_on=object())  # a clean final's response is None
+    sender.release.set()
+    thread = ResponseSendThread("m", pb, loop)
+    broken = Reply(("127.0.0.1", 4000), "c1", broken=True)
+    thread.send(sender, final=True, reply=broken)
+    run(loop, thread.wait_sent(thread.send(sender, final=True, reply=Reply(("h", 1), "c2"))))
+    thread.stop()
+    assert errors == []
+    (error, flags), clean = sender.sent
+    assert flags == FINAL and error[0] == "error" and error[2] == TritonError.INTERNAL
+    assert error[1] == "INTERNAL: the reply channel to 127.0.0.1:4000 failed"
+    assert clean == (None, FINAL)
+
+
+class TritonError:
+    INTERNAL = 13
+
+    def __init__(self, message: str, code: int) -> None:
+        self.message, self.code = message, code
