@@ -230,9 +230,10 @@ class RoutingSpec(_Spec):
     reply_channel: bool = True
     """Stages write their responses straight to the front over a TCP connection of their
     own (``orchestrator/reply_channel.py``) instead of back through Triton; requests,
-    cancellation and errors still go through Triton. Each process that runs the pipeline
-    listens on an ephemeral port of its server's bind address, which the stage servers
-    must be able to reach (``false``: every response through Triton, as before)."""
+    cancellation and errors still go through Triton. Each process that calls stages (the
+    OpenAI front, the ``epd`` model) listens on an ephemeral port of its server's bind
+    address, which the stage servers must be able to reach (``false``: every response
+    through Triton)."""
 
 
 class TracingSpec(_Spec):

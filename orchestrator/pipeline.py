@@ -80,7 +80,13 @@ class EPDPipeline:
     passes again.
     """
 
-    def __init__(self, topo: Topology, server: str, metrics: MetricSink) -> None:
+    def __init__(
+        self,
+        topo: Topology,
+        server: str,
+        metrics: MetricSink,
+        replies: ReplyListener | None = None,
+    ) -> None:
         self.limits = topo.limits
         self.routing = topo.routing
         self.one_engine = topo.one_engine
@@ -88,9 +94,12 @@ class EPDPipeline:
         """Where a prompt goes after its images are encoded: E+PD or E/P/D."""
         self.prompts = PromptBuilder.for_topology(topo, self.llm_stages)
         key = DeploymentKey.from_env()
-        self.replies = None
-        if topo.routing.reply_channel:
-            self.replies = ReplyListener(topo.servers[server].bind_address, key.reply_token)
+        self.replies = replies
+        """Where the stages' answers come back: the process's listener when its owner
+        gives one (the OpenAI front's, shared with its own calls), else one of its own."""
+        self._owns_replies = replies is None and topo.routing.reply_channel
+        if self._owns_replies:
+            self.replies = ReplyListener.for_server(topo, server, key)
         self._clients: dict[str, StageClient] = {}
         self.routes: dict[StageName, StageRoute] = {}
         for stage in ("encode", *self.llm_stages):
@@ -143,11 +152,18 @@ class EPDPipeline:
         return await cls.start(ctx.topology, ctx.server, metrics)
 
     @classmethod
-    async def start(cls, topology: Topology, server: str, metrics: MetricSink) -> EPDPipeline:
+    async def start(
+        cls,
+        topology: Topology,
+        server: str,
+        metrics: MetricSink,
+        replies: ReplyListener | None = None,
+    ) -> EPDPipeline:
         """A pipeline on the running loop that calls the stages from ``server`` (its own
-        stages over loopback): in the ``epd`` model, or in the OpenAI front beside it."""
-        pipeline = cls(topology, server, metrics)
-        if pipeline.replies is not None:
+        stages over loopback): in the ``epd`` model, or in the OpenAI front beside it,
+        which gives it its (started) ``replies`` listener."""
+        pipeline = cls(topology, server, metrics, replies)
+        if pipeline._owns_replies:
             await pipeline.replies.start()
         pipeline.metrics.start()
         pipeline.health.start()
@@ -484,7 +500,7 @@ class EPDPipeline:
             await self.health.stop()
             for client in self._clients.values():
                 await client.close()
-            if self.replies is not None:
+            if self._owns_replies:
                 await self.replies.close()
 
 

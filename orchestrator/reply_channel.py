@@ -9,7 +9,7 @@ request's last token arrives that much later. The stage's event loop writes it t
 socket instead, and the caller's event loop reads it.
 
 How a call uses it:
-- The caller (``ReplyListener``, one per process that runs the pipeline) gives the call
+- The caller (``ReplyListener``, one per process that calls stages) gives the call
   a fresh, unguessable id and sends ``host:port/id`` as the call's ``REPLY_PARAMETER``,
   bound into the call's MAC (``DeploymentKey.sign_call``).
 - The stage (``ReplyWriter``, on the runner's event loop) writes each response as a frame
@@ -21,8 +21,8 @@ How a call uses it:
 - A connection opens with a token derived from the deployment secret; the listener
   drops any connection without it, and frames for a call it does not know (ended,
   cancelled) are dropped.
-- Only internal stages honour it, and only on a call whose MAC checks out: a public
-  model never connects anywhere a caller names.
+- A model honours it only on a call whose MAC covers it: a public model, which takes
+  anyone's call, connects only where a holder of the secret (the OpenAI front) said.
 """
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ import secrets
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from orchestrator.protocol import StageError
+
+if TYPE_CHECKING:
+    from orchestrator.auth import DeploymentKey
+    from orchestrator.config import Topology
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,11 @@ class ReplyListener:
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
         self.port = 0
+
+    @classmethod
+    def for_server(cls, topology: Topology, server: str, key: DeploymentKey) -> ReplyListener:
+        """The listener of a process that calls stages from ``server`` (not started)."""
+        return cls(topology.servers[server].bind_address, key.reply_token)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._bind_host, 0)

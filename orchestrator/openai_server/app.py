@@ -48,6 +48,7 @@ from orchestrator.protocol import (
     StageError,
     TooLarge,
 )
+from orchestrator.reply_channel import ReplyListener
 from orchestrator.stage_client import GrpcStageClient
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,15 @@ class ChatService:
         roles = {"epd": topology.llm_stages, "aggregated": ("aggregated",)}
         self.context = {m: context_length(topology, roles[m]) for m in hosted}
         """Each model's context length (``max_model_len`` in ``/v1/models``)."""
-        self.client = GrpcStageClient(spec.local_grpc_url, DeploymentKey.from_env())
+        key = DeploymentKey.from_env()
+        self.replies = None
+        """Where the answers of this front's calls come back (``reply_channel``): the
+        pipeline's stage calls and its own calls of ``aggregated``."""
+        if topology.routing.reply_channel:
+            self.replies = ReplyListener.for_server(topology, server, key)
+        self.client = GrpcStageClient(
+            spec.local_grpc_url, key, topology.routing.resolve_interval_s, self.replies
+        )
         limits = topology.limits
         self.limits = limits
         self.defaults = generation_defaults(topology.model)
@@ -135,6 +144,8 @@ class ChatService:
     async def start(self) -> None:
         """Start ``epd``'s pipeline (on the running loop, which its gRPC channels belong
         to), its series on this front's ``/metrics`` as the ``epd`` model has them."""
+        if self.replies is not None:
+            await self.replies.start()
         if "epd" not in self.context:
             return
         from orchestrator.metrics import RegistryPublisher
@@ -154,7 +165,7 @@ class ChatService:
                 model="epd",
                 reason=reason,
             )
-        self.pipeline = await EPDPipeline.start(self.topology, self.server, metrics)
+        self.pipeline = await EPDPipeline.start(self.topology, self.server, metrics, self.replies)
 
     async def close(self) -> None:
         try:
@@ -163,6 +174,8 @@ class ChatService:
         finally:
             await self.media.close()
             await self.client.close()
+            if self.replies is not None:
+                await self.replies.close()
 
     def model_for(self, name: str | None) -> str:
         if not name:

@@ -16,6 +16,7 @@ import contextlib
 import faulthandler
 import json
 import locale
+import os
 import queue
 import signal
 import threading
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from orchestrator import tracing
-from orchestrator.auth import MAC_PARAMETER, DeploymentKey
+from orchestrator.auth import MAC_PARAMETER, SECRET_ENV, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
 from orchestrator.protocol import (
@@ -195,7 +196,9 @@ class DecoupledModelRunner:
     ``request_timeout_s``, shortened by the client's Triton ``timeout``), and a watcher that
     cancels the handler's task when Triton reports the request cancelled (the client closed
     its gRPC stream) or the deadline passes. Internal models (the default; public entry
-    points pass ``public=True``) refuse calls without the deployment's credential.
+    points pass ``public=True``) refuse calls without the deployment's credential. A call
+    may name a reply channel (``reply_channel``) for its answers: honoured on a call whose
+    credential covers it, refused (``UNAUTHENTICATED``) on one whose credential does not.
     """
 
     def __init__(
@@ -224,7 +227,11 @@ class DecoupledModelRunner:
         self.model = ctx.model_name
         self.public = public
         self._limits = ctx.topology.limits
-        self._key = None if public else DeploymentKey.from_env()
+        # Internal models refuse calls without the deployment's credential. A public one
+        # takes anyone's call, and a reply channel only from a call signed with it (the
+        # OpenAI front's): no client may make it connect somewhere.
+        has_secret = SECRET_ENV in os.environ
+        self._key = DeploymentKey.from_env() if has_secret or not public else None
         self._responses = ResponseSendThread(args["model_name"], pb_utils, self._loop)
         self._replies = None if self._key is None else ReplyWriter(self._key.reply_token)
         self.handler: StageHandler = asyncio.run_coroutine_threadsafe(
@@ -302,8 +309,10 @@ class DecoupledModelRunner:
             self._watcher = self._loop.create_task(self._watch())
         final_sent, previous, reply = False, None, None
         try:
+            reply_to = ""
             if self._key is not None:
                 reply_to = str(parameters.get(REPLY_PARAMETER, ""))
+            if self._key is not None and (reply_to or not self.public):
                 self._key.verify_call(
                     self.model,
                     call.request_id,
@@ -311,8 +320,8 @@ class DecoupledModelRunner:
                     parameters.get(MAC_PARAMETER),
                     reply_to,
                 )
-                if reply_to:
-                    reply = Reply(*parse_reply_to(reply_to))
+            if reply_to:
+                reply = Reply(*parse_reply_to(reply_to))
             if probe:
                 await self._check_health()
             else:

@@ -318,8 +318,8 @@ def test_internal_models_refuse_outsiders(stack):
 def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
     """The front takes stage answers over its reply channel, not through Triton. A real
     stage answers there, and Triton's stream brings only the end; an address the call's
-    MAC does not bind is refused; a caller that is gone ends the call with an error, and
-    the stage serves on."""
+    MAC does not bind is refused, by internal and public models alike; a caller that is
+    gone ends the call with an error, and the stage serves on."""
     import asyncio
     import socket
     import uuid
@@ -329,6 +329,11 @@ def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
 
     encoder = stack.topology.servers["encoder"]
     release = to_tensor("release", ReleaseRequest(request_id=uuid.uuid4().hex))
+    question = {
+        "text_input": np.array([b"hello"], dtype=np.object_),
+        "sampling_parameters": np.array([b'{"max_tokens": 3}'], dtype=np.object_),
+        "stream": np.array([True]),
+    }
 
     async def main() -> None:
         listener = ReplyListener("127.0.0.1", DeploymentKey.from_env().reply_token)
@@ -355,7 +360,31 @@ def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
                     reply_to=reply_to,
                     sign_reply_to=False,
                 )
+            # A public model takes anyone's call, but a reply channel only from a call
+            # signed with the deployment's credential (as the OpenAI front signs its calls
+            # of `aggregated`; this front hosts `epd` only).
+            with pytest.raises(CallFailed, match="UNAUTHENTICATED"):
+                await asyncio.to_thread(
+                    call_internal,
+                    _front(stack),
+                    "epd",
+                    question,
+                    reply_to=reply_to,
+                    sign_reply_to=False,
+                )
             assert inbox.empty()
+            call, inbox = listener.open()
+            reply_to = f"127.0.0.1:{listener.port}/{call}"
+            through_triton = await asyncio.to_thread(
+                call_internal, _front(stack), "epd", question, reply_to=reply_to
+            )
+            assert through_triton == []
+            async with asyncio.timeout(30):
+                frames = [await inbox.get()]
+                while not frames[-1][0]:
+                    frames.append(await inbox.get())
+            text = b"".join(o["text_output"].reshape(-1)[0] for _, o in frames if o)
+            assert text.strip()
         finally:
             await listener.close()
 
