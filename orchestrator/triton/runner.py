@@ -32,12 +32,7 @@ from orchestrator import tracing
 from orchestrator.auth import MAC_PARAMETER, SECRET_ENV, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.protocol import (
-    PROBE_PARAMETER,
-    LastResponse,
-    StageError,
-    error_message,
-)
+from orchestrator.protocol import PROBE_PARAMETER, LastResponse, StageError, error_message
 from orchestrator.reply_channel import (
     REPLY_PARAMETER,
     Reply,
@@ -127,7 +122,7 @@ class ResponseSendThread:
         self._pb = pb_utils
         self._loop = loop
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], SentTicket] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Any, Any, int, Reply | None, SentTicket] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=f"{name}-send", daemon=True)
@@ -136,24 +131,11 @@ class ResponseSendThread:
     def send(
         self, sender: Any, response: Any = None, final: bool = False, reply: Reply | None = None
     ) -> SentTicket:
-        """Queue a Triton response; the final one of a call whose reply channel failed
-        (``reply_channel``) is sent as an ``INTERNAL`` error instead."""
+        """Queue a response; the final one of a call whose reply channel failed
+        (``reply_channel``) goes out as an ``INTERNAL`` error instead."""
         flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-
-        def send() -> None:
-            answer = response
-            if reply is not None and reply.broken:
-                host, port = reply.address
-                failed = StageError(f"the reply channel to {host}:{port} failed")
-                error = self._pb.TritonError(error_message(failed), self._pb.TritonError.INTERNAL)
-                answer = self._pb.InferenceResponse(error=error)
-            sender.send(answer, flags=flags)
-
-        return self._put(send)
-
-    def _put(self, action: Callable[[], None]) -> SentTicket:
         ticket = SentTicket()
-        self._queue.put((action, ticket))
+        self._queue.put((sender, response, flags, reply, ticket))
         return ticket
 
     async def wait_sent(self, ticket: SentTicket) -> None:
@@ -166,9 +148,11 @@ class ResponseSendThread:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            action, ticket = item
+            sender, response, flags, reply, ticket = item
+            if reply is not None and reply.broken:
+                response = self._reply_failed(reply)
             try:
-                action()
+                sender.send(response, flags=flags)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad send
                 self._pb.Logger.log_error(f"sending a response failed:\n{traceback.format_exc()}")
             with self._lock:
@@ -177,6 +161,12 @@ class ResponseSendThread:
             if waiter is not None:
                 with contextlib.suppress(RuntimeError):  # the loop has stopped
                     self._loop.call_soon_threadsafe(_resolve, waiter)
+
+    def _reply_failed(self, reply: Reply) -> Any:
+        host, port = reply.address
+        failed = StageError(f"the reply channel to {host}:{port} failed")
+        error = self._pb.TritonError(error_message(failed), self._pb.TritonError.INTERNAL)
+        return self._pb.InferenceResponse(error=error)
 
     def stop(self, timeout_s: float = 10) -> None:
         """Send what is queued, then end the thread."""
@@ -309,9 +299,7 @@ class DecoupledModelRunner:
             self._watcher = self._loop.create_task(self._watch())
         final_sent, previous, reply = False, None, None
         try:
-            reply_to = ""
-            if self._key is not None:
-                reply_to = str(parameters.get(REPLY_PARAMETER, ""))
+            reply_to = str(parameters.get(REPLY_PARAMETER, "")) if self._key else ""
             if self._key is not None and (reply_to or not self.public):
                 self._key.verify_call(
                     self.model,
