@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -52,10 +53,18 @@ def test_a_reply_address_parses_or_is_refused_with_its_value():
             parse_reply_to(bad)
 
 
-async def _listening() -> ReplyListener:
-    listener = ReplyListener("127.0.0.1", TOKEN)
-    await listener.start()
-    return listener
+def with_listener(body: Callable[[ReplyListener], Awaitable[None]]) -> None:
+    """Run ``body`` with a started listener on loopback, closed after it."""
+
+    async def main() -> None:
+        listener = ReplyListener("127.0.0.1", TOKEN)
+        await listener.start()
+        try:
+            await body(listener)
+        finally:
+            await listener.close()
+
+    asyncio.run(main())
 
 
 async def _get(inbox: asyncio.Queue) -> tuple[bool, dict]:
@@ -64,76 +73,64 @@ async def _get(inbox: asyncio.Queue) -> tuple[bool, dict]:
 
 
 def test_frames_reach_their_own_call_in_order():
-    async def main():
-        listener = await _listening()
-        try:
-            (call_a, inbox_a), (call_b, inbox_b) = listener.open(), listener.open()
-            assert call_a != call_b and len(call_a) == 32
-            address = ("127.0.0.1", listener.port)
-            assert listener.address_toward("127.0.0.1") == f"127.0.0.1:{listener.port}"
-            writer = ReplyWriter(TOKEN)
-            reply_a, reply_b = Reply(address, call_a), Reply(address, call_b)
-            token = {"t": np.array([7], dtype=np.int64)}
-            await writer.write(reply_a, encode_frame(call_a, token, False))
-            await writer.write(reply_b, encode_frame(call_b, {}, True))
-            await writer.write(reply_a, encode_frame(call_a, {}, True))
-            last, outputs = await _get(inbox_a)
-            assert not last and outputs["t"].tolist() == [7]
-            assert (await _get(inbox_a))[0] is True
-            assert await _get(inbox_b) == (True, {})
-            listener.forget(call_a)  # ended: what still comes for it is dropped
-            await writer.write(reply_a, encode_frame(call_a, {}, True))
-            await writer.write(reply_b, encode_frame(call_b, {}, True))
-            assert await _get(inbox_b) == (True, {})
-            assert inbox_a.empty()
-            assert not reply_a.broken and not reply_b.broken
-            await writer.close()
-        finally:
-            await listener.close()
+    async def body(listener: ReplyListener) -> None:
+        (call_a, inbox_a), (call_b, inbox_b) = listener.open(), listener.open()
+        assert call_a != call_b and len(call_a) == 32
+        address = ("127.0.0.1", listener.port)
+        assert listener.address_toward("127.0.0.1") == f"127.0.0.1:{listener.port}"
+        writer = ReplyWriter(TOKEN)
+        reply_a, reply_b = Reply(address, call_a), Reply(address, call_b)
+        token = {"t": np.array([7], dtype=np.int64)}
+        await writer.write(reply_a, encode_frame(call_a, token, False))
+        await writer.write(reply_b, encode_frame(call_b, {}, True))
+        await writer.write(reply_a, encode_frame(call_a, {}, True))
+        last, outputs = await _get(inbox_a)
+        assert not last and outputs["t"].tolist() == [7]
+        assert (await _get(inbox_a))[0] is True
+        assert await _get(inbox_b) == (True, {})
+        listener.forget(call_a)  # ended: what still comes for it is dropped
+        await writer.write(reply_a, encode_frame(call_a, {}, True))
+        await writer.write(reply_b, encode_frame(call_b, {}, True))
+        assert await _get(inbox_b) == (True, {})
+        assert inbox_a.empty()
+        assert not reply_a.broken and not reply_b.broken
+        await writer.close()
 
-    asyncio.run(main())
+    with_listener(body)
 
 
 def test_a_peer_without_the_token_is_dropped_before_any_frame_counts():
-    async def main():
-        listener = await _listening()
-        try:
-            call, inbox = listener.open()
-            address = ("127.0.0.1", listener.port)
-            impostor = ReplyWriter(DeploymentKey("x" * 64).reply_token)
-            reply = Reply(address, call)
-            for _ in range(3):  # dropped each time, on a fresh connection each time
-                await impostor.write(reply, encode_frame(call, {}, True))
-                await asyncio.sleep(0.1)
-            assert inbox.empty()
-            await impostor.close()
-        finally:
-            await listener.close()
+    async def body(listener: ReplyListener) -> None:
+        call, inbox = listener.open()
+        address = ("127.0.0.1", listener.port)
+        impostor = ReplyWriter(DeploymentKey("x" * 64).reply_token)
+        reply = Reply(address, call)
+        for _ in range(3):  # dropped each time, on a fresh connection each time
+            await impostor.write(reply, encode_frame(call, {}, True))
+            await asyncio.sleep(0.1)
+        assert inbox.empty()
+        await impostor.close()
 
-    asyncio.run(main())
+    with_listener(body)
 
 
 def test_a_peer_that_claims_a_huge_frame_is_dropped_and_others_still_served():
-    async def main():
-        listener = await _listening()
-        try:
-            call, inbox = listener.open()
-            address = ("127.0.0.1", listener.port)
-            reader, writer = await asyncio.open_connection(*address)
-            hello = ReplyWriter(TOKEN)._hello
-            writer.write(hello + struct.pack(">I", MAX_FRAME_BYTES + 1))
-            await writer.drain()
-            async with asyncio.timeout(5):
-                assert await reader.read() == b""  # closed by the listener
-            writer.close()
-            good = ReplyWriter(TOKEN)
-            await good.write(Reply(address, call), encode_frame(call, {}, True))
-            assert await _get(inbox) == (True, {})
-            await good.close()
-        finally:
-            await listener.close()
+    async def body(listener: ReplyListener) -> None:
+        call, inbox = listener.open()
+        address = ("127.0.0.1", listener.port)
+        reader, writer = await asyncio.open_connection(*address)
+        hello = ReplyWriter(TOKEN)._hello
+        writer.write(hello + struct.pack(">I", MAX_FRAME_BYTES + 1))
+        await writer.drain()
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # closed by the listener
+        writer.close()
+        good = ReplyWriter(TOKEN)
+        await good.write(Reply(address, call), encode_frame(call, {}, True))
+        assert await _get(inbox) == (True, {})
+        await good.close()
 
-    asyncio.run(main())
+    with_listener(body)
 
 
 def test_a_caller_that_is_gone_marks_the_reply_broken():
