@@ -58,8 +58,8 @@ far below; a peer that claims more is dropped)."""
 CONNECT_TIMEOUT_S = 2.0
 """How long a stage waits to connect to a caller (then the call fails)."""
 WRITE_TIMEOUT_S = 10.0
-"""How long one write may block (a caller that stopped reading): then the call fails
-instead of holding up the sending thread of every other call."""
+"""How long one write may wait for a caller that stopped reading: then the call fails
+instead of holding up every other call on that connection."""
 
 _LENGTH = struct.Struct(">I")
 

@@ -321,10 +321,10 @@ def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
     MAC does not bind is refused, by internal and public models alike; a caller that is
     gone ends the call with an error, and the stage serves on."""
     import asyncio
-    import socket
     import uuid
 
     from orchestrator.auth import DeploymentKey
+    from orchestrator.ports import free_ports
     from orchestrator.reply_channel import ReplyListener
 
     encoder = stack.topology.servers["encoder"]
@@ -389,9 +389,8 @@ def test_a_stage_answers_on_the_reply_channel_its_caller_signed(stack):
             await listener.close()
 
     asyncio.run(main())
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        gone = f"127.0.0.1:{probe.getsockname()[1]}/{uuid.uuid4().hex}"
+    (port,) = free_ports(1)  # nobody listens there
+    gone = f"127.0.0.1:{port}/{uuid.uuid4().hex}"
     with pytest.raises(CallFailed, match="INTERNAL: the reply channel to 127.0.0.1:"):
         call_internal(encoder, "encode", release, reply_to=gone)
     assert generate(_front(stack).http_url, "epd", "hello", [PHOTO], 4)

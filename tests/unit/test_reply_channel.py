@@ -5,7 +5,6 @@ nothing reaches a call from a peer without the deployment's token. The stage's s
 from __future__ import annotations
 
 import asyncio
-import socket
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrator.auth import DeploymentKey
+from orchestrator.ports import free_ports
 from orchestrator.protocol import StageError
 from orchestrator.reply_channel import (
     MAX_FRAME_BYTES,
@@ -134,9 +134,7 @@ def test_a_peer_that_claims_a_huge_frame_is_dropped_and_others_still_served():
 
 
 def test_a_caller_that_is_gone_marks_the_reply_broken():
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    (port,) = free_ports(1)  # nobody listens there
     reply = Reply(("127.0.0.1", port), "c")
     asyncio.run(ReplyWriter(TOKEN).write(reply, encode_frame("c", {}, True)))
     assert reply.broken
