@@ -114,7 +114,10 @@ class EPDPipeline:
             self.routes[stage] = StageRoute(stage, targets, topo.routing.probe_misses_to_down)
         self.reuse = ReuseIndex(topo.routing.reuse_index_entries)
         self.health = HealthMonitor(
-            self.routes.values(), topo.routing.health_interval_s, topo.routing.probe_timeout_s
+            self.routes.values(),
+            topo.routing.health_interval_s,
+            topo.routing.probe_timeout_s,
+            topo.routing.idle_health_interval_s,
         )
         self.metrics = metrics
         self.seconds = {

@@ -5,7 +5,8 @@ calls in flight from this front, ties broken round-robin so an idle cluster stil
 load; a caller may prefer one server (cache locality) or exclude some (retries). A server
 whose call failed at the transport level is taken out at once; a probe of every server's
 readiness (Triton's ready endpoint) runs in the background, taking out the ones that stop
-answering and re-admitting the ones that are back.
+answering and re-admitting the ones that are back. A server the front has not called since
+its last probe is probed at a slower, idle pace.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import NoReturn
@@ -40,6 +42,8 @@ class StageRoute:
         self._missed = dict.fromkeys(targets, 0)  # probes unanswered in a row
         self._down: dict[str, str] = {}  # name -> why
         self._turn = itertools.count()
+        self._calls = dict.fromkeys(targets, 0)  # calls started, ever
+        self._probed: dict[str, tuple[float, int]] = {}  # name -> (when, calls by then)
 
     @property
     def outstanding(self) -> dict[str, int]:
@@ -82,6 +86,7 @@ class StageRoute:
     def use(self, name: str) -> Iterator[StageClient]:
         """``name``'s client, counted as busy until the block ends."""
         self._outstanding[name] += 1
+        self._calls[name] += 1
         try:
             yield self.targets[name]
         finally:
@@ -99,6 +104,16 @@ class StageRoute:
     def is_down(self, name: str) -> bool:
         return name in self._down
 
+    def probe_due(self, name: str, idle_interval_s: float, now: float) -> bool:
+        """Whether ``name`` should be probed now, on a tick of the monitor: when it is out
+        of rotation (to re-admit it), has never been probed, has been called since its last
+        probe (or still is), or has not been probed for ``idle_interval_s``."""
+        if name in self._down or name not in self._probed:
+            return True
+        when, calls = self._probed[name]
+        busy = self._outstanding[name] > 0 or self._calls[name] != calls
+        return busy or now - when >= idle_interval_s
+
     async def probe(self, name: str, timeout_s: float) -> bool:
         """Ask ``name`` whether it is ready; update its health; whether it is in rotation.
 
@@ -106,6 +121,7 @@ class StageRoute:
         probe left unanswered only counts: a server busy enough to answer late is not dead,
         and taking it out would fail requests it would have served. ``misses_to_down`` in a
         row take it out."""
+        self._probed[name] = (time.monotonic(), self._calls[name])
         try:
             async with asyncio.timeout(timeout_s):
                 ready = await self.targets[name].ready(self.stage)
@@ -128,11 +144,20 @@ class StageRoute:
 
 
 class HealthMonitor:
-    """Probes every server of some routes every ``interval_s`` on the running loop."""
+    """Probes the servers of some routes on the running loop: every ``interval_s`` those
+    out of rotation or called since their last probe, every ``idle_interval_s`` (never more
+    often than ``interval_s``) the others."""
 
-    def __init__(self, routes: Iterable[StageRoute], interval_s: float, timeout_s: float):
+    def __init__(
+        self,
+        routes: Iterable[StageRoute],
+        interval_s: float,
+        timeout_s: float,
+        idle_interval_s: float | None = None,
+    ):
         self.routes = list(routes)
         self.interval_s = interval_s
+        self.idle_interval_s = max(interval_s, idle_interval_s or interval_s)
         self.timeout_s = timeout_s
         self._task: asyncio.Task | None = None
 
@@ -141,11 +166,23 @@ class HealthMonitor:
             *(route.probe(name, self.timeout_s) for route in self.routes for name in route.targets)
         )
 
+    async def probe_due(self) -> None:
+        """One tick: probe the servers whose turn it is (``StageRoute.probe_due``)."""
+        now = time.monotonic()
+        await asyncio.gather(
+            *(
+                route.probe(name, self.timeout_s)
+                for route in self.routes
+                for name in route.targets
+                if route.probe_due(name, self.idle_interval_s, now)
+            )
+        )
+
     def start(self) -> None:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self.interval_s)
-                await self.probe_all()
+                await self.probe_due()
 
         self._task = asyncio.get_running_loop().create_task(loop())
 

@@ -55,7 +55,9 @@ PHOTO = sample_photo("astronaut")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    topology = local_topology(tiny_model, LAYOUT, routing={"health_interval_s": 0.5})
+    topology = local_topology(
+        tiny_model, LAYOUT, routing={"health_interval_s": 0.5, "idle_health_interval_s": 2}
+    )
     for deployment in running_deployment(topology, tmp_path_factory.mktemp("lifecycle")):
         # Decode meets a prefill engine on its first request from it (vLLM's NIXL
         # handshake, in the background). A KV release decode sends before that handshake
@@ -722,6 +724,22 @@ def test_engine_cores_do_not_spin_their_idle_threads(stack):
     print(f"engine core CPU: main thread {main:.2f} s, busiest other {max(used.values()):.2f} s")
     assert main > 0.1, "the engine did not run"
     assert max(used.values()) < 0.5 * main
+
+
+def test_an_idle_front_probes_at_the_idle_pace(stack):
+    """Nobody calls decode: the front (its only caller) probes it every 2 s
+    (``idle_health_interval_s``), not every 0.5 s (``health_interval_s``). Triton counts
+    each probe as a request of the model."""
+
+    def probes() -> float:
+        return _metric(stack, "decode", "nv_inference_request_success", model="decode")
+
+    time.sleep(1.0)  # the calls of the tests before have had their probe
+    before = probes()
+    time.sleep(4.0)
+    answered = probes() - before
+    print(f"decode probed {answered:.0f} times in 4 s of idle")
+    assert 1 <= answered <= 3  # every 0.5 s would be 8
 
 
 def test_dead_engine_leaves_rotation_and_its_twin_serves(stack):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -90,6 +91,38 @@ def test_probes_take_out_and_readmit():
     asyncio.run(monitor.probe_all())
     assert route.healthy == ["up", "down"]
     assert clients["up"].asked == ["decode", "decode"]  # the stage's model is probed
+
+
+def test_idle_servers_are_probed_at_the_idle_pace():
+    """Every tick probes the servers out of rotation and those called since their last
+    probe; one nobody called waits for the idle interval."""
+    clients = {n: _Probed(True) for n in ("called", "busy", "idle", "down")}
+    route = StageRoute("pd", clients)  # type: ignore[arg-type]
+    monitor = HealthMonitor([route], interval_s=1, timeout_s=1, idle_interval_s=30)
+
+    def asked() -> dict[str, int]:
+        return {name: len(client.asked) for name, client in clients.items()}
+
+    asyncio.run(monitor.probe_due())  # never probed: all of them
+    asyncio.run(monitor.probe_due())  # nothing happened since: none
+    assert asked() == {"called": 1, "busy": 1, "idle": 1, "down": 1}
+
+    with route.use("called"):
+        pass
+    clients["down"].answer = False
+    route.mark_down("down", "connection refused")  # as a failed call does
+    with route.use("busy"):
+        asyncio.run(monitor.probe_due())
+        asyncio.run(monitor.probe_due())  # a call still in flight keeps it due
+    assert asked() == {"called": 2, "busy": 3, "idle": 1, "down": 3}
+    clients["down"].answer = True
+    asyncio.run(monitor.probe_due())  # out of rotation: probed every tick, so re-admitted
+    assert route.healthy == ["called", "busy", "idle", "down"]
+
+    later = time.monotonic() + 30
+    assert [n for n in clients if route.probe_due(n, 30, later)] == list(clients)
+    slower = HealthMonitor([route], interval_s=10, timeout_s=1, idle_interval_s=5)
+    assert slower.idle_interval_s == 10  # never more often than the interval
 
 
 def test_reuse_index_is_bounded_and_forgets_a_dead_server():
