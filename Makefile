@@ -8,7 +8,7 @@ venv:
 	@bash scripts/setup-venv.sh
 
 serve: venv
-	$(PY) -m orchestrator.cli serve --demo
+	$(PY) -m orchestrator.cli serve --demo --baseline
 
 test: venv lint
 	$(PY) -m pytest -ra

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from orchestrator.cli import DEFAULT_MODEL, PROFILES, interrupt, topology_of
+from orchestrator.cli import DEFAULT_MODEL, PROFILES, baseline_of, interrupt, topology_of
 
 DEFAULT_BENCH_OUT = Path(".cache/bench/quick.json")
 
@@ -253,7 +253,8 @@ def cmd_bench_idle(args: argparse.Namespace) -> int:
     from epd_bench.quick import write_report
 
     signal.signal(signal.SIGTERM, interrupt)
-    report = idle.run(topology_of(args), args.settle, args.window, args.timeout)
+    topology = topology_of(args, baseline_of(args))
+    report = idle.run(topology, args.settle, args.window, args.timeout)
     print(idle.format_report(report))
     write_report(report, Path(args.out))
     print(f"report: {args.out}")
@@ -332,12 +333,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     soak.add_argument("--out", default=".cache/bench/soak.json", help="JSON report path")
     soak.set_defaults(func=cmd_bench_soak)
 
-    idle = bench.add_parser("idle", help="CPU the deployment burns with no traffic")
+    idle = bench.add_parser(
+        "idle", help="CPU the deployment burns with no traffic (what `epd serve` starts)"
+    )
     _deployment_arguments(idle)
     idle.add_argument("--settle", type=float, default=10, help="seconds before measuring")
     idle.add_argument("--window", type=float, default=30, help="seconds measured")
     idle.add_argument("--timeout", type=float, default=600, help="seconds to become ready")
     idle.add_argument("--out", default=".cache/bench/idle.json", help="JSON report path")
+    idle.add_argument(
+        "--baseline",
+        action="store_true",
+        help="as `epd serve --baseline`: the front also hosts `aggregated` (a second engine)",
+    )
     idle.set_defaults(func=cmd_bench_idle)
 
     peer = bench.add_parser(

@@ -25,7 +25,9 @@ COMMANDS_GROUP = "epd.commands"
 """Entry points ``f(subparsers)`` that add subcommands to ``epd`` (``bench``: epd_bench)."""
 
 
-def topology_of(args: argparse.Namespace):
+def topology_of(args: argparse.Namespace, baseline: bool = True):
+    """``--topology``'s file, or the embedded layout on ``--model`` (its front hosting
+    ``aggregated`` too with ``baseline``)."""
     from orchestrator.config import Topology, default_topology
 
     if args.topology:
@@ -39,7 +41,7 @@ def topology_of(args: argparse.Namespace):
 
         print(f"building the tiny model into {model} ...", flush=True)
         build_model(model, profile="tiny")
-    return default_topology(model.resolve())
+    return default_topology(model.resolve(), baseline=baseline)
 
 
 def cmd_model_build(args: argparse.Namespace) -> int:
@@ -64,7 +66,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from orchestrator.triton.repository import render
 
     try:
-        repos = render(topology_of(args), Path(args.out), progress=True)
+        repos = render(topology_of(args, baseline_of(args)), Path(args.out), progress=True)
     except ValueError as exc:  # the checkpoint (CheckpointError) or the pool size
         print(f"epd render: {exc}", file=sys.stderr)
         return 2
@@ -80,7 +82,7 @@ def interrupt(*_: object) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.triton.deployment import Deployment, DeploymentBusy
 
-    topology = topology_of(args)
+    topology = topology_of(args, baseline_of(args))
     try:
         deployment = Deployment(
             topology, Path(args.workdir), only=args.server, progress=lambda s: print(s, flush=True)
@@ -100,7 +102,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"  {name:8s} http://{spec.http_url} grpc {spec.grpc_url}: {spec.stages}")
             print(f"logs: {deployment.workdir / 'logs'}", flush=True)
             for front in deployment.openai.values():
-                print(_openai_example(f"{front.url}/v1", topology.served_model_name), flush=True)
+                paths = [m for m in ("epd", "aggregated") if topology.servers_of(m)]
+                print(
+                    _openai_example(f"{front.url}/v1", topology.served_model_name, paths),
+                    flush=True,
+                )
             if args.demo:
                 _demo(deployment)
             print("serving; Ctrl-C to stop", flush=True)
@@ -113,8 +119,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _openai_example(base_url: str, model: str) -> str:
-    return f"""OpenAI API: {base_url}  (model "{model}"; "epd" and "aggregated" name each path)
+def baseline_of(args: argparse.Namespace) -> bool:
+    """Whether the embedded layout's front hosts ``aggregated`` (``--baseline``): off unless
+    asked, since it holds a second copy of the model (on one GPU, where the first engine
+    takes most of the memory, it would not even start)."""
+    if args.baseline and args.topology:
+        raise SystemExit(
+            "epd: --baseline adds `aggregated` to the embedded layout; a topology file "
+            "names its front's models itself"
+        )
+    return bool(args.baseline)
+
+
+def _openai_example(base_url: str, model: str, paths: list[str]) -> str:
+    named = ", ".join(f'"{p}"' for p in paths)
+    return f"""OpenAI API: {base_url}  (model "{model}", or a path by name: {named})
   curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{{
     "model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": [
       {{"type": "image_url", "image_url": {{
@@ -201,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     def topo_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--topology", help="topology YAML (default: the embedded CPU layout)")
         p.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+        p.add_argument(
+            "--baseline",
+            action="store_true",
+            help="the embedded layout's front also hosts `aggregated` (one engine, pixels in) "
+            "to compare against: a second copy of the model",
+        )
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(
         dest="sub", required=True

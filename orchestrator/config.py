@@ -407,10 +407,12 @@ _LOCAL_STAGE_SERVERS: dict[LocalLayout, dict[str, list[StageName]]] = {
 }
 
 
-def default_topology(model: Path, layout: LocalLayout = "E+PD") -> Topology:
+def default_topology(model: Path, layout: LocalLayout = "E+PD", baseline: bool = True) -> Topology:
     """The embedded CPU default: the encoder, the LLM stage(s) and the front (entry points
     only), each a local server. ``E+PD`` (the default) runs one engine that prefills and
     decodes; ``E/P/D`` separate prefill and decode engines (``topologies/e-p-d-local.yaml``).
+    ``baseline``: the front also hosts ``aggregated`` (one engine, pixels in) to compare
+    against, which loads the model a second time.
 
     The front keeps Triton's default ports 8000/8001/8002 so stock clients just work, and
     serves the OpenAI API on 9000 (as Triton's own OpenAI frontend does).
@@ -428,6 +430,6 @@ def default_topology(model: Path, layout: LocalLayout = "E+PD") -> Topology:
         grpc_port=8001,
         metrics_port=8002,
         openai_port=9000,
-        stages=["epd", "aggregated"],
+        stages=["epd", "aggregated"] if baseline else ["epd"],
     )
     return Topology(model=model, servers=servers)

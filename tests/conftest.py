@@ -102,7 +102,7 @@ EPD_LAYOUT = {
 }
 """E/P/D as `topologies/e-p-d-local.yaml` runs it: a server per stage, entry points apart."""
 E_PD_LAYOUT = {"encoder": ["encode"], "llm": ["pd"], "front": ["epd", "aggregated"]}
-"""E+PD, the embedded default's shape (`epd serve` without --topology)."""
+"""E+PD, the embedded default's shape (`epd serve --baseline` without --topology)."""
 
 
 def scrape(server: ServerSpec, name: str, **labels: str) -> float:

@@ -33,3 +33,23 @@ def test_invalid_topology_file_is_one_clear_line(tmp_path: Path):
     message = str(exc.value)
     assert message.startswith("epd: ") and "uses one port twice" in message
     assert "'epd' needs stage 'encode'" in message
+
+
+def test_the_embedded_layout_holds_the_model_once_unless_asked_for_the_baseline(
+    tiny_model: Path, tmp_path: Path, capsys
+):
+    """`epd serve`/`epd render` on a checkpoint start one engine (`pd`); `--baseline` adds
+    `aggregated`, a second copy of the model, as `make serve` asks for its demo."""
+    served = {}
+    for flags in ([], ["--baseline"]):
+        out = tmp_path / ("baseline" if flags else "plain")
+        assert main(["render", "--model", str(tiny_model), *flags, str(out)]) == 0
+        served[bool(flags)] = sorted(p.name for p in (out / "front" / "models").iterdir())
+    assert served == {False: ["epd"], True: ["aggregated", "epd"]}
+    capsys.readouterr()
+
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(f"model: {tiny_model}\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--topology", str(topology), "--baseline"])
+    assert "a topology file names its front's models itself" in str(exc.value)
