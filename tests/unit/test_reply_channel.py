@@ -99,6 +99,35 @@ def test_frames_reach_their_own_call_in_order():
     with_listener(body)
 
 
+def test_calls_writing_at_once_on_one_connection_each_get_theirs_in_order():
+    """Eight calls write five frames each, all at once (as one engine step wakes every
+    request it advanced), over the one connection to their caller: no frame is torn or
+    lost, and each call gets its own, in order."""
+
+    async def body(listener: ReplyListener) -> None:
+        address = ("127.0.0.1", listener.port)
+        writer = ReplyWriter(TOKEN)
+        calls = [listener.open() for _ in range(8)]
+
+        async def stream(call: str) -> Reply:
+            reply = Reply(address, call)
+            for i in range(5):
+                tokens = {"t": np.array([i], dtype=np.int64)}
+                await writer.write(reply, encode_frame(call, tokens, i == 4))
+            return reply
+
+        replies = await asyncio.gather(*(stream(call) for call, _ in calls))
+        for _, inbox in calls:
+            got = [await _get(inbox) for _ in range(5)]
+            assert [(last, out["t"].tolist()) for last, out in got] == [
+                (i == 4, [i]) for i in range(5)
+            ]
+        assert not any(reply.broken for reply in replies)
+        await writer.close()
+
+    with_listener(body)
+
+
 def test_a_peer_without_the_token_is_dropped_before_any_frame_counts():
     async def body(listener: ReplyListener) -> None:
         call, inbox = listener.open()
