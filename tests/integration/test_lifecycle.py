@@ -734,7 +734,8 @@ def test_an_idle_front_probes_at_the_idle_pace(stack):
     def probes() -> float:
         return _metric(stack, "decode", "nv_inference_request_success", model="decode")
 
-    time.sleep(1.0)  # the calls of the tests before have had their probe
+    wait_idle(stack)  # no call of the tests before is still in flight,
+    time.sleep(1.0)  # and the last ones have had their probe
     before = probes()
     time.sleep(4.0)
     answered = probes() - before
