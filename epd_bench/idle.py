@@ -21,13 +21,20 @@ from epd_bench.schema import machine_info
 from orchestrator.config import Topology
 
 
+def _tree(pid: int) -> list[Any]:
+    """``pid``'s process and its descendants (psutil)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its descendants so far."""
     import psutil
 
     total = 0.0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in _tree(pid):
         try:
             times = proc.cpu_times()
         except psutil.Error:
@@ -39,13 +46,10 @@ def tree_cpu_s(pid: int) -> float:
 def threads_cpu_s(pids: Iterable[int]) -> dict[str, tuple[int, float]]:
     """CPU seconds so far of the threads of ``pids`` and their descendants, by thread name:
     name -> (threads, seconds). Empty where ``/proc`` has no per-thread stats."""
-    import psutil
-
     tick = os.sysconf("SC_CLK_TCK")
     by_name: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for pid in pids:
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
+        for proc in _tree(pid):
             try:
                 tids = os.listdir(f"/proc/{proc.pid}/task")
             except OSError:

@@ -161,11 +161,6 @@ class HealthMonitor:
         self.timeout_s = timeout_s
         self._task: asyncio.Task | None = None
 
-    async def probe_all(self) -> None:
-        await asyncio.gather(
-            *(route.probe(name, self.timeout_s) for route in self.routes for name in route.targets)
-        )
-
     async def probe_due(self) -> None:
         """One tick: probe the servers whose turn it is (``StageRoute.probe_due``)."""
         now = time.monotonic()

@@ -85,10 +85,12 @@ def test_probes_take_out_and_readmit():
     clients = {"up": _Probed(True), "down": _Probed(ConnectionError("refused"))}
     route = StageRoute("decode", clients)  # type: ignore[arg-type]
     monitor = HealthMonitor([route], interval_s=60, timeout_s=1)
-    asyncio.run(monitor.probe_all())
+    asyncio.run(monitor.probe_due())  # never probed: both
     assert route.healthy == ["up"] and "refused" in route._down["down"]
     clients["down"].answer = True
-    asyncio.run(monitor.probe_all())
+    with route.use("up"):  # called since its probe: due again, as "down" is
+        pass
+    asyncio.run(monitor.probe_due())
     assert route.healthy == ["up", "down"]
     assert clients["up"].asked == ["decode", "decode"]  # the stage's model is probed
 
