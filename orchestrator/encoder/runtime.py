@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
@@ -188,14 +187,3 @@ class TensorRTEncoder(VisionEncoderRuntime):
             raise RuntimeError("TensorRT execution failed")
         stream.synchronize()
         return out.cpu().numpy()
-
-
-def make_encoder_runtime(
-    kind: Literal["onnxruntime", "tensorrt"], onnx_path: str | Path, **options: object
-) -> VisionEncoderRuntime:
-    """Build the runtime named by ``kind``; its backend library is imported only then."""
-    if kind == "onnxruntime":
-        return OnnxRuntimeEncoder(onnx_path, **options)
-    if kind == "tensorrt":
-        return TensorRTEncoder(onnx_path, **options)
-    raise ValueError(f"unknown encoder runtime {kind!r} (expected 'onnxruntime' or 'tensorrt')")
