@@ -1,9 +1,10 @@
 """Inference runtimes for the exported vision encoder (see ``onnx_export``).
 
-The encoder stage talks to one small interface so the backend (onnxruntime on CPU here,
-TensorRT on a GPU host) is a deployment choice. Both run an ONNX file of the same graph and
-read the encoder identity from its metadata, so cache keys do not depend on the backend.
-Inputs are whatever the model family's graph takes, by name.
+One small interface, two backends: ONNX Runtime, which the ``vision_encoder`` model runs
+on CPU, and TensorRT, with which ``epd encoder build --trt`` builds a GPU host's plan and
+checks it against ONNX Runtime (Triton then serves the plan itself). Both run an ONNX file
+of the same graph and read the encoder identity from its metadata, so cache keys do not
+depend on the backend. Inputs are whatever the model family's graph takes, by name.
 """
 
 from __future__ import annotations
