@@ -127,7 +127,7 @@ class ReplyListener:
         self._token = token
         self._calls: dict[str, asyncio.Queue] = {}
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
         self.port = 0
 
     @classmethod
@@ -160,7 +160,7 @@ class ReplyListener:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         try:
             hello = _hello_decoder.decode(await _read_frame(reader))
             if not hmac.compare_digest(hello, self._token):
@@ -176,15 +176,20 @@ class ReplyListener:
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             log.warning("reply channel: dropped a connection that sent a bad frame: %s", exc)
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
 
     async def close(self) -> None:
+        """Stop listening and close every connection: each one's read ends at end of file
+        and its task returns. (Cancelling the tasks instead makes asyncio's stream
+        machinery report a CancelledError to the loop's exception handler on 3.11, a
+        traceback in the log at every shutdown.)"""
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        tasks = list(self._connections)
+        for writer in self._connections.values():
+            writer.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._calls.clear()
 
 

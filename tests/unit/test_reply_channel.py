@@ -167,3 +167,25 @@ def test_a_caller_that_is_gone_marks_the_reply_broken():
     reply = Reply(("127.0.0.1", port), "c")
     asyncio.run(ReplyWriter(TOKEN).write(reply, encode_frame("c", {}, True)))
     assert reply.broken
+
+
+def test_a_listener_closed_under_open_connections_ends_them_quietly():
+    """A front that stops while stages are still connected (every shutdown) closes their
+    connections: the loop's exception handler hears nothing of it."""
+
+    async def main() -> None:
+        reported: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        listener = ReplyListener("127.0.0.1", TOKEN)
+        await listener.start()
+        call, inbox = listener.open()
+        writer = ReplyWriter(TOKEN)
+        await writer.write(Reply(("127.0.0.1", listener.port), call), encode_frame(call, {}, True))
+        assert await _get(inbox) == (True, {})
+        await listener.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await writer.close()
+        assert reported == []
+
+    asyncio.run(main())
