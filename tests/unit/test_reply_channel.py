@@ -173,11 +173,9 @@ def test_a_listener_closed_under_open_connections_ends_them_quietly():
     """A front that stops while stages are still connected (every shutdown) closes their
     connections: the loop's exception handler hears nothing of it."""
 
-    async def main() -> None:
+    async def body(listener: ReplyListener) -> None:
         reported: list[dict] = []
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
-        listener = ReplyListener("127.0.0.1", TOKEN)
-        await listener.start()
         call, inbox = listener.open()
         writer = ReplyWriter(TOKEN)
         await writer.write(Reply(("127.0.0.1", listener.port), call), encode_frame(call, {}, True))
@@ -188,4 +186,4 @@ def test_a_listener_closed_under_open_connections_ends_them_quietly():
         await writer.close()
         assert reported == []
 
-    asyncio.run(main())
+    with_listener(body)
