@@ -5,10 +5,12 @@ Inputs follow Triton's vllm_backend conventions: ``text_input`` BYTES [1], ``ima
 BOOL [1], and the optional outputs it offers (``return_finish_reason``,
 ``return_num_input_tokens``, ``return_num_output_tokens`` BOOL [1] ask for
 ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``); output ``text_output``
-BYTES [1]. Beside ``text_input`` a request may send ``messages`` BYTES [1]: a chat as JSON
-(roles and content parts, ``{"type": "image"}`` where each ``image`` goes), which is what
-the OpenAI front sends. Everything here is validated before any stage does work, so bad
-input costs nothing and gets a message naming the problem.
+BYTES [1]. Instead of ``text_input`` a request may send ``messages`` BYTES [1]: a chat as
+JSON (roles and content parts, ``{"type": "image"}`` where each ``image`` goes), which is
+what the OpenAI chat API sends; or a prompt used as it is, without the chat template (what
+the OpenAI completions API sends): ``prompt`` BYTES [1], or ``prompt_token_ids`` INT [-1].
+Everything here is validated before any stage does work, so bad input costs nothing and
+gets a message naming the problem.
 """
 
 from __future__ import annotations
@@ -47,19 +49,30 @@ class ExtraOutputs:
         return cls(True, True, True)
 
 
+RawPrompt = str | list[int]
+"""A prompt used as it is, without the chat template: text, or token ids."""
+
+
 @dataclass(frozen=True)
 class FrontRequest:
     messages: list[dict[str, Any]]
     """The chat in the form chat templates take: ``{"role", "content": [parts]}``, parts
     ``{"type": "text", "text"}`` or ``{"type": "image"}`` (``text_input`` becomes one user
-    turn with its images first)."""
+    turn with its images first); empty when the request sent a ``raw_prompt``."""
     images: list[bytes]
     sampling: SamplingOptions
     stream: bool
     outputs: ExtraOutputs = ExtraOutputs()
     add_special_tokens: bool = False
-    """The optional ``add_special_tokens`` input (vLLM chat's field of that name): add the
-    tokenizer's special tokens on top of the chat template's. Off by default, as in vLLM."""
+    """The optional ``add_special_tokens`` input (vLLM's field of that name): add the
+    tokenizer's special tokens (a BOS) to the prompt. Off by default for a chat (on top of
+    its template's), on for a raw prompt, as in vLLM's chat and completions endpoints."""
+    raw_prompt: RawPrompt | None = None
+    """The ``prompt`` or ``prompt_token_ids`` input: the engine's prompt, no template."""
+
+
+PROMPT_FORMS = ("text_input", "messages", "prompt", "prompt_token_ids")
+"""The inputs a request states its prompt with: exactly one of them."""
 
 
 def bad_image(which: str, exc: ValueError) -> InvalidRequest:
@@ -78,9 +91,9 @@ def _scalar_bytes(inputs: Tensors, name: str) -> bytes | None:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def _flag(inputs: Tensors, name: str) -> bool:
+def _flag(inputs: Tensors, name: str, default: bool = False) -> bool:
     if name not in inputs:
-        return False
+        return default
     flags = inputs[name].reshape(-1)
     if flags.size != 1:
         raise InvalidRequest(f"{name} must hold exactly one element")
@@ -141,12 +154,24 @@ def parse_messages(raw: bytes, limits: Limits) -> tuple[list[dict[str, Any]], in
 
 def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
     """Validate the public inputs; raise ``InvalidRequest`` naming what is wrong."""
+    sent = [name for name in PROMPT_FORMS if name in inputs]
+    if len(sent) != 1:
+        raise InvalidRequest(
+            f"send exactly one of {', '.join(PROMPT_FORMS)} (got {', '.join(sent) or 'none'})"
+        )
     raw_text = _scalar_bytes(inputs, "text_input")
     raw_messages = _scalar_bytes(inputs, "messages")
-    if (raw_text is None) == (raw_messages is None):
-        raise InvalidRequest("send either text_input or messages (exactly one of them)")
     items = inputs["image"].reshape(-1) if "image" in inputs else []
-    if raw_messages is not None:
+    raw_prompt = None
+    messages: list[dict[str, Any]] = []
+    if sent[0] in ("prompt", "prompt_token_ids"):
+        if len(items):
+            raise InvalidRequest(
+                f"{sent[0]} is used as it is, with no place for images: send images with "
+                "messages or text_input, whose chat template places them"
+            )
+        raw_prompt, text_bytes = parse_raw_prompt(inputs, limits)
+    elif raw_messages is not None:
         messages, placed, text_bytes = parse_messages(raw_messages, limits)
         if placed != len(items):
             raise InvalidRequest(
@@ -200,8 +225,26 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         sampling,
         _flag(inputs, "stream"),
         outputs,
-        _flag(inputs, "add_special_tokens"),
+        _flag(inputs, "add_special_tokens", default=raw_prompt is not None),
+        raw_prompt,
     )
+
+
+def parse_raw_prompt(inputs: Tensors, limits: Limits) -> tuple[RawPrompt, int]:
+    """The ``prompt`` (text) or ``prompt_token_ids`` input, and its size in bytes."""
+    raw = _scalar_bytes(inputs, "prompt")
+    if raw is not None:
+        if len(raw) > limits.max_text_bytes:
+            raise TooLarge(f"prompt is {len(raw)} bytes; the limit is {limits.max_text_bytes}")
+        return _text(raw, "prompt"), len(raw)
+    ids = inputs["prompt_token_ids"].reshape(-1)
+    if ids.dtype.kind not in "iu":
+        raise InvalidRequest(f"prompt_token_ids must be integers, got {ids.dtype}")
+    if not ids.size:
+        raise InvalidRequest("prompt_token_ids is empty")
+    if ids.min() < 0:
+        raise InvalidRequest(f"prompt_token_ids holds a negative id ({ids.min()})")
+    return ids.tolist(), ids.nbytes
 
 
 def user_turn(text: str, num_images: int) -> dict[str, Any]:
@@ -226,6 +269,7 @@ class Prompt:
     the request takes them (each image's placeholder one token, expanded by vLLM)."""
 
     text: str
+    """The prompt's text ("" for a prompt sent as token ids)."""
     token_ids: list[int]
 
     @property
@@ -237,7 +281,7 @@ class PromptBuilder:
     """Applies the model's own chat template with one image slot per image."""
 
     def __init__(self, model_dir: Path, max_model_len: int) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -248,6 +292,10 @@ class PromptBuilder:
             self._backend.no_truncation()
             self._backend.no_padding()
         self.max_model_len = max_model_len
+        vocab = AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size
+        self.max_token_id = max(max(self.tokenizer.get_vocab().values()), vocab - 1)
+        """The largest id a token-id prompt may hold: the tokenizer's or the model's, as
+        vLLM checks (either may have ids the other lacks)."""
         # One thread of its own, as vLLM's server tokenizes: a long prompt takes a second
         # (1 MiB of text), which on the event loop stalled every other request's stream.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prompt")
@@ -279,14 +327,29 @@ class PromptBuilder:
         text = self.build_chat(messages)
         return Prompt(text, self.tokenize(text, add_special_tokens))
 
-    async def render(
-        self, messages: list[dict[str, Any]], add_special_tokens: bool = False
-    ) -> Prompt:
-        """``render_now`` on the builder's own thread, off the caller's event loop."""
+    def prompt_now(self, request: FrontRequest) -> Prompt:
+        """The request's prompt: its chat through the template, or its raw prompt as it
+        is (text tokenized, token ids checked against the vocabulary)."""
+        raw = request.raw_prompt
+        if raw is None:
+            return self.render_now(request.messages, request.add_special_tokens)
+        if isinstance(raw, str):
+            prompt = Prompt(raw, self.tokenize(raw, request.add_special_tokens))
+        else:
+            if max(raw) > self.max_token_id:
+                raise InvalidRequest(
+                    f"prompt_token_ids holds {max(raw)}, out of the vocabulary "
+                    f"(its largest id is {self.max_token_id})"
+                )
+            prompt = Prompt("", raw)
+        if not prompt.token_ids:
+            raise InvalidRequest("the prompt is empty")
+        return prompt
+
+    async def render(self, request: FrontRequest) -> Prompt:
+        """``prompt_now`` on the builder's own thread, off the caller's event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._thread, self.render_now, messages, add_special_tokens
-        )
+        return await loop.run_in_executor(self._thread, self.prompt_now, request)
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """``text``'s token ids. A fast tokenizer tokenizes through its batch call, which

@@ -552,7 +552,7 @@ class AggregatedHandler(_EngineHandler):
 
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         request = parse_front_request(inputs, self.limits)
-        rendered = await self.prompts.render(request.messages, request.add_special_tokens)
+        rendered = await self.prompts.render(request)
         self.prompts.fit(rendered, [], request.sampling)  # too long already: decode nothing
         images, tokens = await asyncio.get_running_loop().run_in_executor(
             None, self._decode_images, request.images

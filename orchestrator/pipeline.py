@@ -175,7 +175,7 @@ class EPDPipeline:
     async def generate(self, inputs: Tensors, ctx: RequestContext) -> AsyncIterator[Tensors]:
         start = time.perf_counter()
         request = parse_front_request(inputs, self.limits)
-        prompt = await self.prompts.render(request.messages, request.add_special_tokens)
+        prompt = await self.prompts.render(request)
         self.prompts.fit(prompt, [], request.sampling)  # too long already: no image is encoded
         stages = ("encode", *self.llm_stages) if request.images else self.llm_stages
         for stage in stages:  # text-only requests do not need an encoder

@@ -90,10 +90,11 @@ def test_the_comparison_can_fail(family_stack, reference):
     assert stats["pinned_handles"] == 0, stats
 
 
-def _generate(topology: Topology, model: str, text: str, **inputs: bool) -> tuple[int, str]:
-    """``num_input_tokens`` and text of a greedy answer through Triton's generate endpoint."""
+def _generate(topology: Topology, model: str, text: str, **inputs: object) -> tuple[int, str]:
+    """``num_input_tokens`` and text of a greedy answer through Triton's generate endpoint
+    (``text`` as ``text_input`` unless ``inputs`` give the prompt another way)."""
     body = {
-        "text_input": text,
+        **({} if {"prompt", "prompt_token_ids"} & inputs.keys() else {"text_input": text}),
         "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0}),
         "return_num_input_tokens": True,
         **inputs,
@@ -123,3 +124,22 @@ def test_special_tokens_are_added_on_top_of_the_template_only_when_asked(family_
     asked = {m: _generate(family_stack, m, text, add_special_tokens=True) for m in plain}
     assert plain["epd"] == plain["aggregated"] and asked["epd"] == asked["aggregated"]
     assert asked["epd"][0] - plain["epd"][0] == added
+
+
+def test_a_raw_prompt_is_used_as_it_is(family_stack):
+    """``prompt`` (the completions API's): no chat template, the tokenizer's special
+    tokens added unless ``add_special_tokens`` is false, as vLLM's completions endpoint
+    does; ``prompt_token_ids`` of the same tokens answers the same, in every engine."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(family_stack.model))
+    text = "Once upon a time, a robot"
+    ids = tokenizer(text).input_ids
+    for model in ("epd", "aggregated"):
+        answer = _generate(family_stack, model, "", prompt=text)
+        assert answer[0] == len(ids), (model, answer, ids)
+        assert _generate(family_stack, model, "", prompt_token_ids=ids) == answer
+        bare = _generate(family_stack, model, "", prompt=text, add_special_tokens=False)
+        assert bare[0] == len(tokenizer(text, add_special_tokens=False).input_ids)
+    chat = _generate(family_stack, "epd", text)
+    assert chat[0] > len(ids) and chat != answer  # the template's turn markers

@@ -23,7 +23,7 @@ from orchestrator.frontend import (
     tensors_delta,
     user_turn,
 )
-from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions
+from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions, TooLarge
 
 
 def _png(width: int, height: int) -> bytes:
@@ -109,8 +109,8 @@ def test_messages_keep_each_image_where_it_stands():
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
-        ({}, "send either text_input or messages"),
-        ({**_inputs(), **_chat([{"role": "user", "content": "x"}])}, "exactly one of them"),
+        ({}, "send exactly one of text_input, messages, prompt, prompt_token_ids"),
+        ({**_inputs(), **_chat([{"role": "user", "content": "x"}])}, "got text_input, messages"),
         (_chat("hi"), "non-empty JSON list"),
         (_chat([{"role": "tool", "content": "x"}]), r"messages\[0\].role is 'tool'"),
         (_chat([{"role": "user", "content": 3}]), r"messages\[0\].content must be"),
@@ -201,11 +201,66 @@ def test_a_tokenizer_that_asks_to_truncate_does_not_cut_the_prompt(hub_checkpoin
 
 def test_prompts_are_rendered_off_the_callers_loop(hub_checkpoint):
     class Recording(PromptBuilder):
-        def render_now(self, messages, add_special_tokens=False):
+        def prompt_now(self, request):
             self.thread = threading.current_thread().name
-            return super().render_now(messages, add_special_tokens)
+            return super().prompt_now(request)
 
     prompts = Recording(hub_checkpoint("qwen2_vl"), max_model_len=64)
-    rendered = asyncio.run(prompts.render([user_turn("hi", 0)]))
+    rendered = asyncio.run(prompts.render(parse_front_request(_inputs(), LIMITS)))
     assert rendered.text_tokens > 0
     assert prompts.thread.startswith("prompt") and prompts.thread != "MainThread"
+
+
+def _raw(name: str, value) -> dict[str, np.ndarray]:
+    if name == "prompt":
+        return {"prompt": np.array([value], dtype=np.object_)}
+    return {"prompt_token_ids": np.array(value)}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error", "message"),
+    [
+        ({**_inputs(), **_raw("prompt", b"x")}, InvalidRequest, "exactly one of text_input, "),
+        ({**_raw("prompt", b"x"), "image": np.array([_png(8, 8)], dtype=np.object_)},
+         InvalidRequest, "prompt is used as it is, with no place for images"),
+        (_raw("prompt", b"x" * 101), TooLarge, "prompt is 101 bytes; the limit is 100"),
+        (_raw("prompt", b"\xff"), InvalidRequest, "prompt is not valid UTF-8"),
+        (_raw("prompt_token_ids", [1.5, 2.0]), InvalidRequest, "must be integers"),
+        (_raw("prompt_token_ids", [3, -1]), InvalidRequest, r"a negative id \(-1\)"),
+        (_raw("prompt_token_ids", np.zeros(0, np.int64)), InvalidRequest, "is empty"),
+    ],
+    ids=["two forms", "images", "bytes", "utf-8", "floats", "negative", "empty"],
+)  # fmt: skip
+def test_a_raw_prompt_is_checked_at_the_edge(inputs, error, message):
+    with pytest.raises(error, match=message):
+        parse_front_request(inputs, LIMITS)
+
+
+def test_a_raw_prompt_gets_special_tokens_unless_told_not_to_and_a_chat_only_when_asked():
+    raw = parse_front_request(_raw("prompt", b"Once"), LIMITS)
+    assert (raw.raw_prompt, raw.messages, raw.add_special_tokens) == ("Once", [], True)
+    ids = parse_front_request(_raw("prompt_token_ids", np.array([[4, 5]], np.int32)), LIMITS)
+    assert ids.raw_prompt == [4, 5] and ids.add_special_tokens
+    off = {**_raw("prompt", b"Once"), "add_special_tokens": np.array([False])}
+    assert not parse_front_request(off, LIMITS).add_special_tokens
+    assert not parse_front_request(_inputs(), LIMITS).add_special_tokens
+
+
+def test_a_raw_prompt_is_the_engines_prompt_as_it_is(hub_checkpoint):
+    """No template: the text as the tokenizer tokenizes it (LLaVA's adds a BOS), token ids
+    as they are once they are in the vocabulary."""
+    prompts = PromptBuilder(hub_checkpoint("llava"), max_model_len=64)
+    text = parse_front_request(_raw("prompt", b"Once upon a time"), LIMITS)
+    expected = prompts.tokenizer("Once upon a time").input_ids
+    assert prompts.prompt_now(text) == Prompt("Once upon a time", expected)
+    assert expected[0] == prompts.tokenizer.bos_token_id
+    ids = parse_front_request(_raw("prompt_token_ids", expected), LIMITS)
+    assert prompts.prompt_now(ids).token_ids == expected
+    vocab = prompts.max_token_id
+    assert vocab >= len(prompts.tokenizer) - 1
+    too_big = parse_front_request(_raw("prompt_token_ids", [1, vocab + 1]), LIMITS)
+    with pytest.raises(InvalidRequest, match=f"holds {vocab + 1}, out of the vocabulary"):
+        prompts.prompt_now(too_big)
+    empty = {**_raw("prompt", b""), "add_special_tokens": np.array([False])}
+    with pytest.raises(InvalidRequest, match="the prompt is empty"):
+        prompts.prompt_now(parse_front_request(empty, LIMITS))
