@@ -1,6 +1,9 @@
-"""The FastAPI app: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The FastAPI app: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``, ``/metrics``.
 
-A chat request for ``epd`` runs ``epd``'s pipeline in this process: the front calls the
+Both endpoints' requests become a ``Job`` (``chat``, ``completions``), served here the same
+way: a prompt, or each prompt of a completions batch, is one request of the model. A
+request for ``epd`` runs ``epd``'s pipeline in this process: the front calls the
 stages itself, as Dynamo's frontend routes to its workers, instead of relaying every
 token through the ``epd`` Triton model beside it (that hop cost ~15 ms of CPU per request
 and a stage call's latency each way). A request for ``aggregated`` is one streaming gRPC
@@ -17,13 +20,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -38,8 +43,10 @@ from orchestrator.auth import DeploymentKey
 from orchestrator.config import Topology, describe
 from orchestrator.context import RequestContext
 from orchestrator.frontend import DELTA_OUTPUTS, Delta, context_length, tensors_delta
-from orchestrator.openai_server.chat import Answer, generation_defaults, model_inputs
+from orchestrator.openai_server import chat, completions
+from orchestrator.openai_server.answer import Answer, Choice
 from orchestrator.openai_server.media import MediaLoader
+from orchestrator.openai_server.request import generation_defaults
 from orchestrator.pipeline import EPDPipeline
 from orchestrator.protocol import (
     DeadlineExceeded,
@@ -80,7 +87,7 @@ def stage_error_response(exc: StageError) -> JSONResponse:
     return error_response(exc.http_status, str(exc))
 
 
-class ChatService:
+class OpenAIService:
     """What the routes share: ``epd``'s pipeline, the Triton client, names, limits and
     counters."""
 
@@ -116,6 +123,7 @@ class ChatService:
         self.max_body_bytes = limits.max_request_bytes * 4 // 3 + (1 << 20)  # base64, JSON
         self.max_running = topology.openai.max_concurrent_requests
         self.running = 0
+        self._tokenizer: Any = None
         self.pipeline: EPDPipeline | None = None
         """``epd``'s pipeline, run here (once ``start`` made it) when the server hosts ``epd``."""
         self.in_flight = 0
@@ -125,13 +133,13 @@ class ChatService:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "epd_openai_requests",
-            "Chat completion requests answered, by HTTP status",
+            "Requests answered (chat and completions), by HTTP status",
             ["status"],
             registry=self.registry,
         )
         Gauge(
             "epd_openai_requests_running",
-            "Chat completion requests in flight",
+            "Requests in flight (each prompt of a completions batch counts)",
             registry=self.registry,
         ).set_function(lambda: self.running)
         self.ttft = Histogram(
@@ -176,6 +184,16 @@ class ChatService:
             await self.client.close()
             if self.replies is not None:
                 await self.replies.close()
+
+    async def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (what ``echo`` of a token-id prompt decodes with),
+        loaded off the loop on first use."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            load = AutoTokenizer.from_pretrained
+            self._tokenizer = await asyncio.to_thread(load, str(self.topology.model))
+        return self._tokenizer
 
     def model_for(self, name: str | None) -> str:
         if not name:
@@ -232,7 +250,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tracing.setup(topology.tracing, f"{server}/openai")
         # Built on the server's loop: gRPC's asyncio channel belongs to the loop it is made on.
-        app.state.service = ChatService(topology, server)
+        app.state.service = OpenAIService(topology, server)
         await app.state.service.start()
         yield
         await app.state.service.close()
@@ -243,7 +261,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
     @app.get("/health")
     async def health(raw: Request) -> Response:
         """200 once every model this front calls is ready on its Triton server."""
-        service: ChatService = raw.app.state.service
+        service: OpenAIService = raw.app.state.service
         for model in set(service.models.values()):
             if not await service.client.model_ready(model):
                 return Response(status_code=503)
@@ -258,7 +276,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> JSONResponse:
-        service: ChatService = raw.app.state.service
+        service: OpenAIService = raw.app.state.service
         root = str(topology.model)
         cards = [
             ModelCard(
@@ -275,19 +293,63 @@ def create_app(topology: Topology, server: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        service: ChatService = raw.app.state.service
-        status = 500
-        try:
-            response = await _chat(service, raw)
-            status = response.status_code
-            return response
-        finally:
-            service.requests.labels(status=str(status)).inc()
+        return await _serve(raw.app.state.service, raw, _chat_job)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await _serve(raw.app.state.service, raw, _completion_job)
 
     return app
 
 
-async def _read_json(service: ChatService, raw: Request) -> Any:
+@dataclass
+class Job:
+    """One HTTP request as the front serves it: which model, one set of inputs per
+    prompt, what the answer looks like."""
+
+    model: str
+    inputs: list[Tensors]
+    answer: Answer
+    stream: bool
+    include_usage: bool
+    span: str
+    """The name of the request's span (its route's, as OpenAI's SDK names it)."""
+
+
+async def _chat_job(service: OpenAIService, body: Any) -> Job:
+    request = _parse(ChatCompletionRequest, body)
+    model = service.model_for(request.model)
+    inputs = await chat.model_inputs(request, service.defaults, service.media)
+    # The answer's id is the client's request_id, as vLLM names it; inside, the
+    # request gets an id of its own (a client's may collide with another's in every
+    # stage's bookkeeping: handles released by request id, KV abandoned by it).
+    answer = chat.ChatAnswer(id=f"chatcmpl-{request.request_id}", model=request.model or model)
+    return Job(model, [inputs], answer, bool(request.stream), _usage(request), "chat.completions")
+
+
+async def _completion_job(service: OpenAIService, body: Any) -> Job:
+    request = _parse(CompletionRequest, body)
+    model = service.model_for(request.model)
+    inputs = completions.model_inputs(request, service.defaults)
+    echo = []
+    request_prompts = completions.prompts(request)
+    if request.echo:
+        tokenizer = await service.tokenizer()
+        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in request_prompts]
+    answer = completions.CompletionAnswer(
+        id=f"cmpl-{request.request_id}",
+        model=request.model or model,
+        choices=[Choice() for _ in inputs],
+        echo=echo,
+    )
+    return Job(model, inputs, answer, bool(request.stream), _usage(request), "completions")
+
+
+def _usage(request: Any) -> bool:
+    return bool(request.stream_options and request.stream_options.include_usage)
+
+
+async def _read_json(service: OpenAIService, raw: Request) -> Any:
     length = raw.headers.get("content-length")
     if length is not None and int(length) > service.max_body_bytes:
         raise TooLarge(f"request body is {length} bytes; the limit is {service.max_body_bytes}")
@@ -302,93 +364,182 @@ async def _read_json(service: ChatService, raw: Request) -> Any:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
 
 
-def _parse(body: Any) -> Any:
+def _parse(kind: type[BaseModel], body: Any) -> Any:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as exc:
         raise InvalidRequest(describe(exc)) from None
     except (ValueError, VLLMError) as exc:
         raise InvalidRequest(str(exc)) from None
 
 
-async def _chat(service: ChatService, raw: Request) -> Response:
+async def _serve(service: OpenAIService, raw: Request, job_of: JobMaker) -> Response:
+    """Answer one request of either endpoint, and count it by status."""
+    status = 500
+    try:
+        response = await _answer(service, raw, job_of)
+        status = response.status_code
+        return response
+    finally:
+        service.requests.labels(status=str(status)).inc()
+
+
+async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Response:
     start = time.perf_counter()
     if service.running >= service.max_running:
         return stage_error_response(
             Overloaded(f"this server is at its limit of {service.max_running} requests in flight")
         )
-    slot = _Slot(service)
+    slots = _Slots(service)
     try:
         try:
-            request = _parse(await _read_json(service, raw))
-            model = service.model_for(request.model)
-            inputs = await model_inputs(request, service.defaults, service.media)
+            job = await job_of(service, await _read_json(service, raw))
+            slots.take(len(job.inputs) - 1)  # a batch's prompts each run as a request
         except LookupError as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
             return stage_error_response(exc)
-        # The answer's id is the client's request_id, as vLLM names it; inside, the
-        # request gets an id of its own (a client's may collide with another's in every
-        # stage's bookkeeping: handles released by request id, KV abandoned by it).
-        answer = Answer(id=f"chatcmpl-{request.request_id}", model=request.model or model)
         limits = service.limits
-        ctx = RequestContext.create(limits.request_timeout_s, limits.stream_idle_timeout_s)
+        contexts = [
+            RequestContext.create(limits.request_timeout_s, limits.stream_idle_timeout_s)
+            for _ in job.inputs
+        ]
         # The request's span, under the client's trace when it sent a traceparent header.
         span = tracing.start(
-            "chat.completions",
+            job.span,
             tracing.remote_context(raw.headers),
             tracing.trace.SpanKind.SERVER,
-            **{"epd.request_id": ctx.request_id, "epd.answer_id": answer.id, "epd.model": model},
+            **{
+                "epd.request_id": ",".join(ctx.request_id for ctx in contexts),
+                "epd.answer_id": job.answer.id,
+                "epd.model": job.model,
+            },
         )
-        ctx.trace = tracing.within(span)
-        deltas = service.deltas(model, inputs, ctx)
-        if not request.stream:
+        for ctx in contexts:
+            ctx.trace = tracing.within(span)
+        pairs = zip(job.inputs, contexts, strict=True)
+        streams = [service.deltas(job.model, inputs, ctx) for inputs, ctx in pairs]
+        if not job.stream:
             try:
-                return await _until_disconnect(raw, _whole(answer, deltas, service, start))
+                return await _until_disconnect(raw, _whole(job.answer, streams, service, start))
             finally:
                 span.end()
-        # The first step decides the status: errors before it are plain HTTP errors.
-        try:
-            first = await _until_disconnect(raw, anext(deltas))
-        except StopAsyncIteration:
-            first = Delta("", 0, "stop")
-        except StageError as exc:
-            await deltas.aclose()
-            tracing.failed(span, exc)
+        # Each prompt's first step decides the status: errors before it are plain HTTP errors.
+        firsts = await _until_disconnect(
+            raw, asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
+        )
+        failed = isinstance(firsts, Response) or next(
+            (e for e in firsts if isinstance(e, BaseException)), None
+        )
+        if failed is not None:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(failed, StageError):
+                tracing.failed(span, failed)
             span.end()
-            return stage_error_response(exc)
-        if isinstance(first, Response):  # the client left already
-            await deltas.aclose()
-            span.end()
-            return first
+            if isinstance(failed, Response):  # the client left already
+                return failed
+            if isinstance(failed, StageError):
+                return stage_error_response(failed)
+            raise failed
         service.ttft.observe(time.perf_counter() - start)
-        usage = bool(request.stream_options and request.stream_options.include_usage)
-
-        stream_slot, slot = slot, None  # the stream gives it back
+        rest = _merged(streams)
+        stream_slots, slots = slots, None  # the stream gives them back
 
         async def finish() -> None:
-            await deltas.aclose()  # cancels the gRPC call if the stream stopped early
-            stream_slot.release()
+            await rest.aclose()  # cancels the gRPC calls if the stream stopped early
+            for stream in streams:  # those never read past their first step
+                await stream.aclose()
+            stream_slots.release()
             span.end()
 
-        return _EventStream(_events(answer, first, deltas, usage, stream_slot), finish)
+        events = _events(job, firsts, rest, stream_slots)
+        return _EventStream(events, finish)
     finally:
-        if slot is not None:
-            slot.release()
+        if slots is not None:
+            slots.release()
 
 
-class _Slot:
-    """One of the front's ``max_concurrent_requests``, given back once: by a stream before
-    its ``[DONE]``, so a client that waits for it before sending the next request never
-    finds the front full because of its own last request."""
+JobMaker = Callable[[OpenAIService, Any], Awaitable[Job]]
+"""Reads an endpoint's request body into a ``Job`` (``StageError`` or ``LookupError``
+when it cannot be served)."""
 
-    def __init__(self, service: ChatService) -> None:
-        self.service = service
+
+async def _first(stream: AsyncIterator[Delta]) -> Delta:
+    """A stream's first step (an empty one for a stream that ends at once)."""
+    return await anext(stream, Delta("", 0, "stop"))
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The streams' steps as they come, each with its stream's index; the first error
+    ends it, and closing it stops every stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for delta in only:
+                yield 0, delta
+        return
+    steps: asyncio.Queue[tuple[int, Delta | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    steps.put_nowait((index, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            steps.put_nowait((index, exc))
+        else:
+            steps.put_nowait((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, step = await steps.get()
+            if step is None:
+                running -= 1
+            elif isinstance(step, Exception):
+                raise step
+            else:
+                yield index, step
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+class _Slots:
+    """A request's share of the front's ``max_concurrent_requests`` (one per prompt),
+    given back once: by a stream before its ``[DONE]``, so a client that waits for it
+    before sending the next request never finds the front full because of its own last
+    request."""
+
+    def __init__(self, service: OpenAIService) -> None:
+        self.service: OpenAIService | None = service
+        self.count = 1
         service.running += 1
+
+    def take(self, more: int) -> None:
+        """``more`` slots besides the first, or ``TooLarge`` / ``Overloaded``."""
+        service = self.service
+        assert service is not None
+        if more <= 0:
+            return
+        if 1 + more > service.max_running:
+            raise TooLarge(
+                f"{1 + more} prompts in one request; this server runs at most "
+                f"{service.max_running} at once"
+            )
+        if service.running + more > service.max_running:
+            raise Overloaded(
+                f"this server is at its limit of {service.max_running} requests in flight "
+                f"(the request's {1 + more} prompts each count)"
+            )
+        service.running += more
+        self.count += more
 
     def release(self) -> None:
         if self.service is not None:
-            self.service.running -= 1
+            self.service.running -= self.count
             self.service = None
 
 
@@ -415,14 +566,16 @@ async def _until_disconnect(raw: Request, work: Any) -> Any:
 
 
 async def _whole(
-    answer: Answer, deltas: AsyncIterator[Delta], service: ChatService, start: float
+    answer: Answer, streams: list[AsyncIterator[Delta]], service: OpenAIService, start: float
 ) -> Response:
+    first = True
     try:
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                if not answer.text:
+        async with contextlib.aclosing(_merged(streams)) as steps:
+            async for index, delta in steps:
+                if first:
                     service.ttft.observe(time.perf_counter() - start)
-                answer.add(delta)
+                    first = False
+                answer.add(index, delta)
     except StageError as exc:
         return stage_error_response(exc)
     return JSONResponse(answer.response().model_dump())
@@ -446,22 +599,26 @@ class _EventStream(StreamingResponse):
 
 
 async def _events(
-    answer: Answer, first: Delta, deltas: AsyncIterator[Delta], usage: bool, slot: _Slot
+    job: Job, firsts: list[Delta], rest: AsyncIterator[tuple[int, Delta]], slots: _Slots
 ) -> AsyncIterator[str]:
-    """Server-sent events: the role, then the text as it comes, the finish reason on the
-    last text chunk, the usage if asked, ``[DONE]``. An error after the first token is an
-    error event (the status is long sent)."""
+    """Server-sent events: the opening (chat: the role), each step as it comes, the usage
+    if asked, ``[DONE]``. An error after the first steps is an error event (the status is
+    long sent)."""
+    answer = job.answer
     try:
-        yield answer.chunk(role="assistant", text="")
-        delta: Delta | None = first
-        while delta is not None:
-            answer.add(delta)
-            if delta.text or delta.finish_reason is not None:
-                yield answer.chunk(text=delta.text, finish=delta.finish_reason)
-            delta = await anext(deltas, None)
-        if usage:
-            yield answer.usage_chunk()
+        for event in answer.opening():
+            yield event
+        for index, delta in [*enumerate(firsts)]:
+            answer.add(index, delta)
+            if (event := answer.event(index, delta)) is not None:
+                yield event
+        async for index, delta in rest:
+            answer.add(index, delta)
+            if (event := answer.event(index, delta)) is not None:
+                yield event
+        if job.include_usage:
+            yield answer.usage_event()
     except StageError as exc:
         yield f"data: {error_body(exc.http_status, str(exc)).model_dump_json()}\n\n"
-    slot.release()
+    slots.release()
     yield "data: [DONE]\n\n"

@@ -1,5 +1,5 @@
 """A chat completion request in, the ``epd`` / ``aggregated`` model's inputs out; the
-model's per-step outputs back into OpenAI answers (whole, or as stream chunks).
+model's per-step outputs back into OpenAI chat answers (whole, or as stream chunks).
 
 What the engines cannot do is refused with a 400 naming the field, never ignored:
 ``n`` > 1, tool calling, log-probabilities, beam search, structured output.
@@ -8,9 +8,7 @@ What the engines cannot do is refused with a 400 naming the field, never ignored
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,83 +20,47 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
 )
-from vllm.entrypoints.serve.engine.protocol import UsageInfo
-from vllm.exceptions import VLLMError
 
 from orchestrator.frontend import CHAT_ROLES, Delta
+from orchestrator.openai_server.answer import Answer, Choice, sse
 from orchestrator.openai_server.media import MediaLoader
-from orchestrator.protocol import InvalidRequest, SamplingOptions
+from orchestrator.openai_server.request import (
+    COMMON_FIELDS,
+    check_supported,
+    common_refusals,
+    sampling,
+)
+from orchestrator.protocol import InvalidRequest
 
 Tensors = dict[str, np.ndarray]
 
-GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-"""Sampling defaults a checkpoint's ``generation_config.json`` sets, as vLLM reads them."""
+SERVED_FIELDS = COMMON_FIELDS | {
+    # the conversation and how it is rendered and tokenized
+    "messages", "add_generation_prompt", "max_completion_tokens",
+    # what vllm serve without a reasoning parser or tools does not act on either
+    "include_reasoning", "parallel_tool_calls",
+}  # fmt: skip
+"""Fields of vLLM's ``ChatCompletionRequest`` this server acts on as ``vllm serve`` does."""
 
 
-def generation_defaults(model: Path) -> dict[str, Any]:
-    """The checkpoint's own sampling defaults (what ``vllm serve`` applies when a request
-    leaves a parameter out); ``max_new_tokens`` becomes the default ``max_tokens``."""
-    path = model / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    defaults = {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
-    if config.get("max_new_tokens"):
-        defaults["max_tokens"] = config["max_new_tokens"]
-    return defaults
-
-
-SERVED_FIELDS = frozenset(
-    {
-        # the conversation and how it is rendered and tokenized
-        "messages", "model", "add_generation_prompt", "add_special_tokens",
-        # the answer's shape
-        "stream", "stream_options", "request_id",
-        # sampling: vLLM's to_sampling_params reads them; SamplingOptions carries them
-        "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-        "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-        "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
-        "spaces_between_special_tokens",
-        # what vllm serve without a reasoning parser or tools does not act on either
-        "user", "include_reasoning", "parallel_tool_calls",
-    }
-)  # fmt: skip
-"""Fields of vLLM's ``ChatCompletionRequest`` this server acts on as ``vllm serve`` does.
-Any other field a request sets to something but its default is refused by name: a new
-vLLM field is refused until it is served, never silently dropped."""
-
-
-def check_supported(request: Any) -> None:
+def check_chat(request: Any) -> None:
     """Refuse, by name, what this server would otherwise have to ignore."""
-    refusals = {
-        "n": (request.n or 1) != 1 and "one answer per request (n must be 1)",
-        "tools": bool(request.tools) and "tool calling is not served here",
-        "tool_choice": request.tool_choice not in (None, "none") and "tool calling is not served",
-        "logprobs": bool(request.logprobs) and "log-probabilities are not returned",
-        "top_logprobs": bool(request.top_logprobs) and "log-probabilities are not returned",
-        "prompt_logprobs": request.prompt_logprobs is not None and "not returned",
-        "use_beam_search": request.use_beam_search and "beam search is not served here",
-        "response_format": (
-            request.response_format is not None
-            and request.response_format.type != "text"
-            and "structured output is not enabled in this deployment"
-        ),
-        "structured_outputs": request.structured_outputs is not None and "not enabled here",
-        "continue_final_message": request.continue_final_message and "not supported",
-        "add_generation_prompt": not request.add_generation_prompt and "must be true",
-        "chat_template": request.chat_template is not None and "the model's own template is used",
-    }
-    for name, why in refusals.items():
-        if why:
-            raise InvalidRequest(f"{name}: {why}")
-    fields = type(request).model_fields
-    for name in sorted(request.model_fields_set - SERVED_FIELDS - refusals.keys()):
-        if getattr(request, name) != fields[name].get_default(call_default_factory=True):
-            raise InvalidRequest(f"{name}: not supported by this server")
-    options = request.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats: not supported")
+    check_supported(
+        request,
+        SERVED_FIELDS,
+        {
+            **common_refusals(request),
+            "tools": bool(request.tools) and "tool calling is not served here",
+            "tool_choice": request.tool_choice not in (None, "none")
+            and "tool calling is not served",
+            "logprobs": bool(request.logprobs) and "log-probabilities are not returned",
+            "top_logprobs": bool(request.top_logprobs) and "log-probabilities are not returned",
+            "continue_final_message": request.continue_final_message and "not supported",
+            "add_generation_prompt": not request.add_generation_prompt and "must be true",
+            "chat_template": request.chat_template is not None
+            and "the model's own template is used",
+        },
+    )
 
 
 @dataclass
@@ -144,35 +106,17 @@ def conversation(request: Any) -> Conversation:
     return chat
 
 
-def sampling(request: Any, defaults: dict[str, Any]) -> SamplingOptions:
-    """vLLM's own reading of the request's sampling fields (``to_sampling_params``, with
-    the checkpoint's defaults), as the engine options the models take; ``max_tokens`` is
-    left to the model (``None``: what the context leaves) unless the request sets it."""
-    asked = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
-    try:
-        params = request.to_sampling_params(asked or 1 << 20, defaults)
-    except (ValueError, VLLMError) as exc:  # vLLM's validation errors
-        raise InvalidRequest(str(exc)) from None
-    fields = set(SamplingOptions.model_fields) - {"n", "max_tokens"}
-    options = {name: getattr(params, name) for name in fields}
-    options["stop"] = list(params.stop or [])
-    options["stop_token_ids"] = list(request.stop_token_ids or [])
-    try:
-        return SamplingOptions.model_validate({**options, "max_tokens": asked})
-    except ValueError as exc:
-        raise InvalidRequest(f"sampling parameters: {exc}") from None
-
-
 async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoader) -> Tensors:
     """The Triton inputs of ``epd`` / ``aggregated`` for a chat request (each image
     fetched or decoded here, then checked again by the model)."""
-    check_supported(request)
+    check_chat(request)
     chat = conversation(request)
     images = [
         await media.load(url, f"image {i + 1} of {len(chat.image_urls)}")
         for i, url in enumerate(chat.image_urls)
     ]
-    options = sampling(request, defaults)
+    asked = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
+    options = sampling(request, asked, defaults)
     inputs: Tensors = {
         "messages": np.array([json.dumps(chat.messages).encode()], dtype=np.object_),
         "sampling_parameters": np.array([options.model_dump_json().encode()], dtype=np.object_),
@@ -189,66 +133,44 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
 
 
 @dataclass
-class Answer:
-    """One answer as it streams: what the client is owed at the end."""
+class ChatAnswer(Answer):
+    """A chat answer (one choice): ``chat.completion``, or its chunks."""
 
-    id: str
-    model: str
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
 
-    def add(self, delta: Delta) -> None:
-        self.text.append(delta.text)
-        if delta.num_input_tokens:
-            self.prompt_tokens = delta.num_input_tokens
-        self.completion_tokens += delta.num_output_tokens
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+    def opening(self) -> list[str]:
+        return [self._chunk(DeltaMessage(role="assistant", content=""))]
 
-    def usage(self) -> UsageInfo:
-        return UsageInfo(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
+    def event(self, index: int, delta: Delta) -> str | None:
+        if not delta.text and delta.finish_reason is None:
+            return None
+        return self._chunk(DeltaMessage(content=delta.text), delta.finish_reason)
+
+    def _chunk(self, delta: DeltaMessage, finish: str | None = None) -> str:
+        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)
+        return sse(self._stream_response([choice]), exclude_unset=True)
+
+    def usage_event(self) -> str:
+        chunk = self._stream_response([], usage=self.usage())
+        return sse(chunk, exclude_unset=True, exclude_none=True)
+
+    def _stream_response(self, choices: list, **extra: Any) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=self.id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            **extra,
         )
 
     def response(self) -> ChatCompletionResponse:
-        """The whole answer (``stream: false``)."""
+        (answer,) = self.choices
         choice = ChatCompletionResponseChoice(
             index=0,
-            message=ChatMessage(role="assistant", content="".join(self.text)),
-            finish_reason=self.finish_reason or "stop",
+            message=ChatMessage(role="assistant", content="".join(answer.text)),
+            finish_reason=answer.finish_reason or "stop",
         )
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
         )
-
-    def chunk(
-        self, role: str | None = None, text: str | None = None, finish: str | None = None
-    ) -> str:
-        """One server-sent event of the stream (``stream: true``)."""
-        delta = DeltaMessage(role=role, content=text) if role else DeltaMessage(content=text)
-        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)
-        chunk = ChatCompletionStreamResponse(
-            id=self.id,
-            object="chat.completion.chunk",
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-        )
-        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-
-    def usage_chunk(self) -> str:
-        """The last event when ``stream_options.include_usage``: no choices, the usage."""
-        chunk = ChatCompletionStreamResponse(
-            id=self.id,
-            object="chat.completion.chunk",
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=self.usage(),
-        )
-        return f"data: {chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"

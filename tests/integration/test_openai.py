@@ -1,7 +1,8 @@
 """The OpenAI-compatible front on a real deployment, driven by the real ``openai`` client
-(sync and async, streaming and not): the same greedy tokens as Triton's generate endpoint
-and as plain ``vllm serve`` on the same checkpoint, OpenAI-shaped errors with the right
-statuses, and a client that hangs up mid-stream stops the request in every stage.
+(sync and async, streaming and not, chat and completions): the same greedy tokens as
+Triton's generate endpoint and as plain ``vllm serve`` on the same checkpoint, OpenAI-shaped
+errors with the right statuses, and a client that hangs up mid-stream stops the request in
+every stage.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         tiny_model,
         EPD_LAYOUT,
         openai_on="front",
-        openai={"max_concurrent_requests": 1},
+        openai={"max_concurrent_requests": 2},
         tracing={"directory": workdir / "traces"},
     )
     yield from running_deployment(topology, workdir)
@@ -206,7 +207,7 @@ def test_async_client_streams_the_same(stack, client):
                 )
                 return "".join([c.choices[0].delta.content or "" async for c in stream])
 
-            return [await one(), await one()]  # one at a time: the front takes one
+            return [await one(), await one()]
 
     assert asyncio.run(run()) == [expected.choices[0].message.content] * 2
 
@@ -250,6 +251,35 @@ def test_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
     assert client.chat.completions.create(model="epd", messages=CASES["photo"], **GREEDY)
 
 
+def _completion_status(client: openai.OpenAI, **request) -> tuple[int, str]:
+    with pytest.raises(openai.APIStatusError) as failure:
+        client.completions.create(**{"model": "epd", "prompt": "Once", **request})
+    body = failure.value.body
+    assert isinstance(body, dict) and set(body) >= {"message", "type", "code"}, body
+    return failure.value.status_code, body["message"]
+
+
+def test_completions_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
+    cases = [
+        ({"model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist"),
+        ({"n": 2}, 400, "n: one answer per request"),
+        ({"logprobs": 1}, 400, "logprobs: log-probabilities are not returned"),
+        ({"suffix": "end"}, 400, "suffix"),
+        ({"prompt": ""}, 400, "must be provided and non-empty"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": [[1, 2], []]}, 400, "prompt[1] is empty"),
+        ({"prompt": [1 << 30]}, 400, "out of the vocabulary"),
+        ({"prompt": "Once", "max_tokens": 100_000}, 400, "exceeds the model's context"),
+        ({"echo": True, "max_tokens": 0}, 400, "echo without generation"),
+        ({"extra_body": {"cache_salt": "tenant-a"}}, 400, "cache_salt: not supported"),
+    ]
+    for request, status, message in cases:
+        got = _completion_status(client, **request)
+        assert got[0] == status and message in got[1], (request, got)
+    # the server is still up and answering
+    assert client.completions.create(model="epd", prompt="Once", **GREEDY).choices[0].text
+
+
 def _engine_busy(stack: Deployment) -> float:
     servers = stack.topology.servers
     return sum(
@@ -276,13 +306,15 @@ def _stopped(stack: Deployment) -> float:
     return read("127.0.0.1", front.openai_port, name, model="epd", reason="cancelled")
 
 
-def _hang_up_stops_every_stage(stack: Deployment, hang_up: Callable[[], None]) -> None:
-    """``hang_up()`` sends a long request and leaves: the front stops it (epd's pipeline
-    runs there, so no Triton hop can lose the cancel) and every stage is idle within
-    seconds."""
+def _hang_up_stops_every_stage(
+    stack: Deployment, hang_up: Callable[[], None], requests: int = 1
+) -> None:
+    """``hang_up()`` sends ``requests`` long requests and leaves: the front stops them
+    (epd's pipeline runs there, so no Triton hop can lose the cancel) and every stage is
+    idle within seconds."""
     before = _stopped(stack)
     hang_up()
-    assert _wait(lambda: _stopped(stack) == before + 1, 3), "the front did not stop it"
+    assert _wait(lambda: _stopped(stack) == before + requests, 3), "the front did not stop it"
     assert _wait(lambda: _engine_busy(stack) == 0, 5), "stages still busy after hang-up"
 
 
@@ -297,21 +329,32 @@ LONG = {
 
 
 def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
-    """A long answer, streamed; meanwhile another request finds the front full (429, it
-    takes one at a time here); then the client hangs up: every stage is idle at once."""
+    """Long answers, streamed: with one of the front's two places taken, a completions
+    batch of two prompts (each counts) is 429 and one of three never fits (413); with both
+    taken, any request is 429. Then the client hangs up: every stage is idle at once."""
 
     def stream_then_leave() -> None:
         body = {**LONG, "stream": True}
+        url = f"{base_url(stack)}/chat/completions"
         with (
             httpx.Client(timeout=60) as http,
-            http.stream("POST", f"{base_url(stack)}/chat/completions", json=body) as one,
+            http.stream("POST", url, json=body) as one,
         ):
             lines = one.iter_lines()  # kept: dropping it would close the stream early
             assert next(lines).startswith("data: ")  # the role: decoding has begun
-            status, message = _status(client)
-            assert status == 429 and "limit of 1 requests in flight" in message
+            for prompts, status, message in (
+                (2, 429, "the request's 2 prompts each count"),
+                (3, 413, "3 prompts in one request; this server runs at most 2"),
+            ):
+                got = _completion_status(client, prompt=["Once"] * prompts)
+                assert got == (status, got[1]) and message in got[1], got
+            with http.stream("POST", url, json=body) as two:
+                more = two.iter_lines()
+                assert next(more).startswith("data: ")
+                status, message = _status(client)
+                assert status == 429 and "limit of 2 requests in flight" in message
 
-    _hang_up_stops_every_stage(stack, stream_then_leave)
+    _hang_up_stops_every_stage(stack, stream_then_leave, requests=2)
 
 
 def test_hang_up_while_waiting_for_a_whole_answer_stops_every_stage(stack):
@@ -344,6 +387,60 @@ def test_answers_as_vllm_serve_does(vllm_serve, client, case):
     assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
 
 
+COMPLETIONS = {
+    "text": {"prompt": "Once upon a time"},
+    "token ids": {"prompt": [100, 200, 300, 400]},
+    "a batch of texts, echoed": {"prompt": ["The cat", "A dog sat on"], "echo": True},
+    "a batch of token ids, echoed": {"prompt": [[100, 200, 300], [401, 402]], "echo": True},
+    "a stop string, no special tokens": {
+        "prompt": "Once upon a time",
+        "stop": ["e"],
+        "add_special_tokens": False,
+    },
+}
+"""Completions requests (prompts as they are, no chat template), ours and ``vllm serve``'s."""
+
+
+def _completion(client: openai.OpenAI, model: str, case: str, stream: bool) -> dict:
+    """Each choice's text and finish reason by index, and the usage."""
+    request = {**COMPLETIONS[case], **GREEDY}
+    extra = {"add_special_tokens": request.pop("add_special_tokens", True)}
+    if stream:
+        request["stream_options"] = {"include_usage": True}
+    answer = client.completions.create(model=model, extra_body=extra, stream=stream, **request)
+    chunks = list(answer) if stream else [answer]
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        assert chunk.object == "text_completion" and chunk.id.startswith("cmpl-"), chunk
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    usage = chunks[-1].usage
+    return {
+        "texts": texts,
+        "finish": finish,
+        "usage": (usage.prompt_tokens, usage.completion_tokens),
+    }
+
+
+@pytest.mark.parametrize("case", list(COMPLETIONS))
+def test_completions_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
+    """Prompts as they are (text or token ids, one or a batch, echoed or not), whole and
+    streamed, through ``epd`` (E/P/D here) and ``aggregated``: the same greedy answers,
+    choice for choice, and the same token counts as ``vllm serve``'s."""
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    theirs = _completion(peer, "tiny", case, stream=False)
+    prompt = COMPLETIONS[case]["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    assert len(theirs["texts"]) == len(prompts) and theirs["usage"][1] > 0, theirs
+    if COMPLETIONS[case].get("echo") and isinstance(prompts[0], str):
+        assert all(theirs["texts"][i].startswith(p) for i, p in enumerate(prompts)), theirs
+    for model in ("epd", "aggregated"):
+        for stream in (False, True):
+            assert _completion(client, model, case, stream) == theirs, (model, stream)
+
+
 @pytest.mark.parametrize("kind", list(openai_peer.KINDS))
 def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
     """vLLM's own load generator (OpenAI chat backend, synthetic images) runs clean."""
@@ -354,7 +451,7 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
         kind,
         prompts=6,
         warmups=1,
-        concurrency=1,  # this front takes one request at a time
+        concurrency=1,
         out=tmp_path / "result.json",
     )
     summary = {k: result.get(k) for k in ("completed", "failed", "errors", "total_output_tokens")}
@@ -364,7 +461,7 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
 
 def test_text_is_measured_while_photos_are_answered(stack, vllm_serve, tmp_path):
     """``epd bench openai``'s mixed workload: the text run happens while the photo load is
-    answered (against ``vllm serve``: this module's front takes one request at a time)."""
+    answered (against ``vllm serve``: this module's front takes two requests at a time)."""
     result = openai_peer.bench_serve(
         vllm_serve.removesuffix("/v1"), stack.topology.model, "tiny", openai_peer.MIXED,
         prompts=6, warmups=1, concurrency=2, out=tmp_path / "result.json",

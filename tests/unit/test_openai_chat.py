@@ -12,13 +12,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from orchestrator.config import Limits
 from orchestrator.frontend import Delta, parse_front_request
-from orchestrator.openai_server.chat import (
-    Answer,
-    check_supported,
-    conversation,
-    model_inputs,
-    sampling,
-)
+from orchestrator.openai_server.chat import ChatAnswer, check_chat, conversation, model_inputs
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.protocol import InvalidRequest, TooLarge
 
@@ -41,7 +35,7 @@ def request(**fields) -> ChatCompletionRequest:
 )
 def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
     with pytest.raises(InvalidRequest, match=message):
-        check_supported(request(**fields))
+        check_chat(request(**fields))
 
 
 @pytest.mark.parametrize(
@@ -60,11 +54,11 @@ def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
 def test_fields_this_server_does_not_serve_are_refused_by_name_never_ignored(fields):
     name = next(iter(fields)) if "stream_options" not in fields else "continuous_usage_stats"
     with pytest.raises(InvalidRequest, match=name):
-        check_supported(request(**fields))
+        check_chat(request(**fields))
 
 
 def test_fields_sent_with_their_default_values_and_what_vllm_ignores_too_pass():
-    check_supported(
+    check_chat(
         request(
             echo=False,
             priority=0,
@@ -108,12 +102,20 @@ def test_images_stay_where_they_are_in_the_conversation():
         conversation(request(messages=[{"role": "user", "content": [audio]}]))
 
 
+def sampling(chat: ChatCompletionRequest, defaults: dict):
+    """The sampling options the model receives for ``chat``."""
+    loader = MediaLoader([], timeout_s=1, max_bytes=8)
+    inputs = asyncio.run(model_inputs(chat, defaults, loader))
+    return parse_front_request(inputs, Limits()).sampling
+
+
 def test_sampling_is_vllms_reading_with_the_checkpoints_defaults():
     options = sampling(request(max_completion_tokens=7, stop="x", top_k=5, seed=3), {})
     assert (options.max_tokens, options.stop, options.top_k, options.seed) == (7, ["x"], 5, 3)
     assert options.temperature == 1.0  # vLLM's default when neither request nor checkpoint say
     assert sampling(request(), {"temperature": 0.25}).temperature == 0.25
     assert sampling(request(), {}).max_tokens is None  # what the context leaves
+    assert sampling(request(), {"max_tokens": 9}).max_tokens == 9  # generation_config's
     with pytest.raises(InvalidRequest, match="max_tokens"):
         sampling(request(max_tokens=-5), {})
 
@@ -146,16 +148,20 @@ def test_media_urls():
 
 
 def test_answers_in_openai_shapes():
-    answer = Answer(id="chatcmpl-1", model="m")
-    answer.add(Delta("he", 2, None, 9))
-    answer.add(Delta("y", 1, "stop", 9))
+    answer = ChatAnswer(id="chatcmpl-1", model="m")
+    (role,) = answer.opening()
+    role = json.loads(role.removeprefix("data: "))
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    answer.add(0, Delta("he", 2, None, 9))
+    assert answer.event(0, Delta("", 0, None)) is None  # nothing to send
+    answer.add(0, Delta("y", 1, "stop", 9))
     whole = answer.response().model_dump()
     assert whole["choices"][0]["message"] == {**whole["choices"][0]["message"], "content": "hey"}
     assert whole["usage"]["prompt_tokens"] == 9 and whole["usage"]["completion_tokens"] == 3
-    chunk = json.loads(answer.chunk(text="y", finish="stop").removeprefix("data: "))
+    chunk = json.loads(answer.event(0, Delta("y", 1, "stop")).removeprefix("data: "))
     assert chunk["id"] == "chatcmpl-1" and chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0] == {"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}
-    usage = json.loads(answer.usage_chunk().removeprefix("data: "))
+    usage = json.loads(answer.usage_event().removeprefix("data: "))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 12
 
 

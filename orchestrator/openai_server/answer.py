@@ -1,0 +1,73 @@
+"""An answer as it streams, for either endpoint: one choice per prompt, the usage, and the
+endpoint's own shapes (whole, or as server-sent events) in its subclass."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+from orchestrator.frontend import Delta
+
+
+@dataclass
+class Choice:
+    """One prompt's answer so far."""
+
+    text: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        if delta.num_input_tokens:
+            self.prompt_tokens = delta.num_input_tokens
+        self.completion_tokens += delta.num_output_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+@dataclass
+class Answer(ABC):
+    """What the client is owed: each prompt's choice, by index."""
+
+    id: str
+    model: str
+    choices: list[Choice]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def add(self, index: int, delta: Delta) -> None:
+        self.choices[index].add(delta)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(c.prompt_tokens for c in self.choices)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def opening(self) -> list[str]:
+        """The events before any text."""
+        return []
+
+    @abstractmethod
+    def event(self, index: int, delta: Delta) -> str | None:
+        """The event for one step of choice ``index`` (already added); ``None`` when the
+        step gives the client nothing."""
+
+    @abstractmethod
+    def usage_event(self) -> str:
+        """The last event when ``stream_options.include_usage``: no choices, the usage."""
+
+    @abstractmethod
+    def response(self) -> Any:
+        """The whole answer (``stream: false``), a vLLM protocol model."""
+
+
+def sse(model: Any, **dump: Any) -> str:
+    """One server-sent event holding ``model`` as JSON."""
+    return f"data: {model.model_dump_json(**dump)}\n\n"

@@ -1,0 +1,141 @@
+"""A completions request (``/v1/completions``) in, one ``epd`` / ``aggregated`` request
+per prompt out; their per-step outputs back into OpenAI text completions.
+
+A prompt goes to the engine as it is, without the chat template, as vLLM's completions
+endpoint sends it: text (tokenized with the tokenizer's special tokens unless
+``add_special_tokens`` is false) or token ids, one prompt or a list of them, each its own
+choice (``index``). What the engines cannot do is refused with a 400 naming the field:
+``n`` > 1, log-probabilities, ``suffix``, prompt embeddings, beam search, structured output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+
+from orchestrator.frontend import Delta, RawPrompt
+from orchestrator.openai_server.answer import Answer, sse
+from orchestrator.openai_server.request import (
+    COMMON_FIELDS,
+    check_supported,
+    common_refusals,
+    sampling,
+)
+from orchestrator.protocol import InvalidRequest
+
+Tensors = dict[str, np.ndarray]
+
+SERVED_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+"""Fields of vLLM's ``CompletionRequest`` this server acts on as ``vllm serve`` does."""
+
+
+def check_completion(request: Any) -> None:
+    """Refuse, by name, what this server would otherwise have to ignore."""
+    check_supported(
+        request,
+        SERVED_FIELDS,
+        {
+            **common_refusals(request),
+            "logprobs": request.logprobs is not None and "log-probabilities are not returned",
+            "suffix": request.suffix is not None and "fill-in-the-middle is not served here",
+            "prompt_embeds": request.prompt_embeds is not None and "not served here",
+            "max_tokens": request.echo
+            and request.max_tokens == 0
+            and "echo without generation (max_tokens 0) is not served",
+        },
+    )
+
+
+def prompts(request: Any) -> list[RawPrompt]:
+    """The request's prompts, one per choice: text, or token ids."""
+    prompt = request.prompt
+    if prompt is None:
+        raise InvalidRequest("prompt is required")
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("prompt is empty")
+    return list(prompt)
+
+
+def model_inputs(request: Any, defaults: dict[str, Any]) -> list[Tensors]:
+    """The Triton inputs of ``epd`` / ``aggregated``, one set per prompt."""
+    check_completion(request)
+    # vLLM reads a missing or null max_tokens as 16 (the completions API's default)
+    options = sampling(request, request.max_tokens, defaults).model_dump_json().encode()
+    common: Tensors = {
+        "sampling_parameters": np.array([options], dtype=np.object_),
+        "stream": np.array([True]),
+        "add_special_tokens": np.array([request.add_special_tokens]),
+        "return_finish_reason": np.array([True]),
+        "return_num_input_tokens": np.array([True]),
+        "return_num_output_tokens": np.array([True]),
+    }
+    sets = []
+    for i, prompt in enumerate(prompts(request)):
+        if isinstance(prompt, str):
+            sets.append({**common, "prompt": np.array([prompt.encode()], dtype=np.object_)})
+        elif prompt:
+            sets.append({**common, "prompt_token_ids": np.array(prompt, dtype=np.int64)})
+        else:
+            raise InvalidRequest(f"prompt[{i}] is empty")
+    return sets
+
+
+@dataclass
+class CompletionAnswer(Answer):
+    """A text completion, one choice per prompt: ``text_completion``, or its chunks. With
+    ``echo``, each choice's text starts with its prompt."""
+
+    echo: list[str] = field(default_factory=list)
+    """Each choice's prompt text still to send (``echo``), emptied once it is."""
+
+    def event(self, index: int, delta: Delta) -> str | None:
+        text = self._echoed(index) + delta.text
+        if not text and delta.finish_reason is None:
+            return None
+        choice = CompletionResponseStreamChoice(
+            index=index, text=text, finish_reason=delta.finish_reason
+        )
+        return sse(self._stream_response([choice]), exclude_unset=True)
+
+    def _echoed(self, index: int) -> str:
+        if not self.echo:
+            return ""
+        prompt, self.echo[index] = self.echo[index], ""
+        return prompt
+
+    def usage_event(self) -> str:
+        chunk = self._stream_response([], usage=self.usage())
+        return sse(chunk, exclude_unset=True, exclude_none=True)
+
+    def _stream_response(self, choices: list, **extra: Any) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            **extra,
+        )
+
+    def response(self) -> CompletionResponse:
+        choices = [
+            CompletionResponseChoice(
+                index=i,
+                text=self._echoed(i) + "".join(c.text),
+                finish_reason=c.finish_reason or "stop",
+            )
+            for i, c in enumerate(self.choices)
+        ]
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+        )

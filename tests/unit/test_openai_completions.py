@@ -1,0 +1,138 @@
+"""The OpenAI front's translation of completions requests (pure logic, no servers): what
+is refused by name, one model request per prompt with vLLM's completions defaults, the
+answers' shapes, and how a batch's streams are merged and stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+from orchestrator.config import Limits
+from orchestrator.frontend import Delta, parse_front_request
+from orchestrator.openai_server.answer import Choice
+from orchestrator.openai_server.app import _merged
+from orchestrator.openai_server.completions import (
+    CompletionAnswer,
+    check_completion,
+    model_inputs,
+)
+from orchestrator.protocol import InvalidRequest, StageError
+
+
+def request(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "Once", **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 2}, "n: one answer"),
+        ({"logprobs": 0}, "logprobs: log-probabilities are not returned"),
+        ({"suffix": "end"}, "suffix: fill-in-the-middle"),
+        ({"echo": True, "max_tokens": 0}, "max_tokens: echo without generation"),
+        ({"use_beam_search": True}, "beam search"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens: not supported"),
+        ({"cache_salt": "tenant-a"}, "cache_salt: not supported"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
+    ],
+)
+def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
+    with pytest.raises(InvalidRequest, match=message):
+        check_completion(request(**fields))
+
+
+def test_fields_sent_with_their_default_values_pass():
+    check_completion(
+        request(echo=True, n=1, priority=0, user="someone", request_id="mine", seed=3, stop="x")
+    )
+
+
+def _front(inputs):
+    return [parse_front_request(one, Limits()) for one in inputs]
+
+
+def test_each_prompt_is_one_model_request_with_vllms_completions_defaults():
+    (text,) = _front(model_inputs(request(), {"temperature": 0.5}))
+    assert text.raw_prompt == "Once" and text.add_special_tokens and text.messages == []
+    assert text.sampling.max_tokens == 16  # the completions API's default
+    assert text.sampling.temperature == 0.5  # the checkpoint's, as vllm serve applies
+    assert text.stream and text.outputs.num_input_tokens
+    (ids,) = _front(model_inputs(request(prompt=[7, 8, 9]), {}))
+    assert ids.raw_prompt == [7, 8, 9]
+    batch = _front(model_inputs(request(prompt=["a", "b c"], add_special_tokens=False), {}))
+    assert [r.raw_prompt for r in batch] == ["a", "b c"]
+    assert not any(r.add_special_tokens for r in batch)
+    (null,) = _front(model_inputs(request(max_tokens=None), {"max_tokens": 9}))
+    assert null.sampling.max_tokens == 16  # vLLM reads null as the default too
+    with pytest.raises(InvalidRequest, match=r"prompt\[1\] is empty"):
+        model_inputs(request(prompt=[[1], []]), {})
+
+
+def _event(text: str) -> dict:
+    assert text.startswith("data: ") and text.endswith("\n\n")
+    return json.loads(text.removeprefix("data: "))
+
+
+def test_answers_in_openai_shapes_with_the_prompt_echoed_once():
+    answer = CompletionAnswer("cmpl-1", "m", [Choice(), Choice()], echo=["A", "B"])
+    assert answer.opening() == []
+    answer.add(1, Delta("x", 1, None, 4))
+    first = _event(answer.event(1, Delta("x", 1, None, 4)))
+    assert first["object"] == "text_completion" and first["id"] == "cmpl-1"
+    assert first["choices"] == [{"index": 1, "text": "Bx", "finish_reason": None}]
+    assert _event(answer.event(1, Delta("y", 1, None)))["choices"][0]["text"] == "y"
+    assert answer.event(1, Delta("", 0, None)) is None  # nothing to send
+    answer.add(0, Delta("", 0, "length", 3))
+    last = _event(answer.event(0, Delta("", 0, "length")))["choices"][0]
+    assert (last["index"], last["text"], last["finish_reason"]) == (0, "A", "length")
+    usage = _event(answer.usage_event())
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 7
+
+    whole = CompletionAnswer("cmpl-2", "m", [Choice(), Choice()], echo=["A", "B"])
+    whole.add(0, Delta("he", 2, None, 3))
+    whole.add(1, Delta("yo", 1, "stop", 4))
+    body = whole.response().model_dump()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Ahe"), (1, "Byo")]
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 3
+
+
+async def _steps(name: str, texts: list[str], log: list[str], fail: bool = False):
+    try:
+        for text in texts:
+            await asyncio.sleep(0)
+            yield Delta(text, 1, None)
+        if fail:
+            raise StageError(f"{name} failed")
+        await asyncio.Event().wait() if name == "forever" else None
+    finally:
+        log.append(f"{name} closed")
+
+
+def test_a_batchs_streams_merge_by_index_and_the_first_error_stops_them_all():
+    async def run():
+        log: list[str] = []
+        merged = _merged([_steps("a", ["a1", "a2"], log), _steps("b", ["b1"], log)])
+        got = [(i, d.text) async for i, d in merged]
+        assert sorted(got) == [(0, "a1"), (0, "a2"), (1, "b1")]
+        assert [t for i, t in got if i == 0] == ["a1", "a2"]  # each stream in its order
+        assert sorted(log) == ["a closed", "b closed"]
+
+        log.clear()
+        merged = _merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log, fail=True)])
+        with pytest.raises(StageError, match="b failed"):
+            async for _ in merged:
+                pass
+        assert sorted(log) == ["b closed", "forever closed"]  # the other one is stopped
+
+        log.clear()  # a client that leaves: closing the merge stops every stream
+        merged = _merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log)])
+        await anext(merged)
+        await merged.aclose()
+        assert sorted(log) == ["b closed", "forever closed"]
+
+    asyncio.run(run())
