@@ -428,13 +428,11 @@ async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Res
         firsts = await _until_disconnect(
             raw, asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
         )
-        failed = isinstance(firsts, Response) or next(
-            (e for e in firsts if isinstance(e, BaseException)), None
-        )
+        failed = firsts if isinstance(firsts, Response) else _first_error(firsts)
         if failed is not None:
             for stream in streams:
                 await stream.aclose()
-            if isinstance(failed, StageError):
+            if isinstance(failed, BaseException):
                 tracing.failed(span, failed)
             span.end()
             if isinstance(failed, Response):  # the client left already
@@ -463,6 +461,10 @@ async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Res
 JobMaker = Callable[[OpenAIService, Any], Awaitable[Job]]
 """Reads an endpoint's request body into a ``Job`` (``StageError`` or ``LookupError``
 when it cannot be served)."""
+
+
+def _first_error(steps: list[Delta | BaseException]) -> BaseException | None:
+    return next((step for step in steps if isinstance(step, BaseException)), None)
 
 
 async def _first(stream: AsyncIterator[Delta]) -> Delta:
