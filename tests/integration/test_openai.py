@@ -443,7 +443,8 @@ def test_completions_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
 
 @pytest.mark.parametrize("kind", list(openai_peer.KINDS))
 def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
-    """vLLM's own load generator (OpenAI chat backend, synthetic images) runs clean."""
+    """vLLM's own load generator runs clean: the chat API with synthetic images or
+    without, and the completions API."""
     result = openai_peer.bench_serve(
         stack.openai["front"].url,
         stack.topology.model,
