@@ -46,14 +46,15 @@ def generation_defaults(model: Path) -> dict[str, Any]:
 
 def check_supported(request: Any, served: frozenset[str], refusals: dict[str, Any]) -> None:
     """Refuse, by name, what this server would otherwise have to ignore: ``refusals`` maps
-    a field to why it is refused (falsy: it is not), and any field beyond ``served`` set to
-    something but its default is refused too, so a new vLLM field is refused until it is
-    served."""
+    a field to why it is refused (falsy: it is not), and any field of vLLM's request beyond
+    ``served`` set to something but its default is refused too, so a new vLLM field is
+    refused until it is served."""
     for name, why in refusals.items():
         if why:
             raise InvalidRequest(f"{name}: {why}")
     fields = type(request).model_fields
-    for name in sorted(request.model_fields_set - served - refusals.keys()):
+    # A field vLLM does not know at all, vllm serve ignores (its request model logs it).
+    for name in sorted((request.model_fields_set & fields.keys()) - served - refusals.keys()):
         if getattr(request, name) != fields[name].get_default(call_default_factory=True):
             raise InvalidRequest(f"{name}: not supported by this server")
     options = request.stream_options

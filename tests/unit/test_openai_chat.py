@@ -57,6 +57,10 @@ def test_fields_this_server_does_not_serve_are_refused_by_name_never_ignored(fie
         check_chat(request(**fields))
 
 
+def test_a_field_vllm_does_not_know_is_ignored_as_vllm_serve_ignores_it():
+    check_chat(request(no_such_field=1))  # was a KeyError, answered 404
+
+
 def test_fields_sent_with_their_default_values_and_what_vllm_ignores_too_pass():
     check_chat(
         request(
