@@ -118,6 +118,12 @@ class ModelFamily(ABC):
         """Preprocess one RGB image exactly as the checkpoint's HF processor (PIL backend)
         does, into the vision graph's inputs."""
 
+    @property
+    @abstractmethod
+    def image_token_id(self) -> int:
+        """The token the chat template writes once per image, which vLLM repeats for each
+        of the image's ``tokens`` (what a prompt's token count includes)."""
+
     @abstractmethod
     def max_image_tokens(self) -> int:
         """Tokens of the largest image the processor produces (sizes the embedding pool)."""

@@ -176,6 +176,15 @@ class LlavaFamily(ModelFamily):
     def image_layout(self, width: int, height: int) -> ImageLayout:
         return ImageLayout(tokens=self.tokens)
 
+    @property
+    def image_token_id(self) -> int:
+        config = self.config  # older downloads name it image_token_index, newer both
+        return int(
+            config["image_token_index"]
+            if "image_token_index" in config
+            else config["image_token_id"]
+        )
+
     def max_image_tokens(self) -> int:
         return self.tokens
 

@@ -185,6 +185,10 @@ class Qwen2VLFamily(ModelFamily):
         grid = (1, h // cfg.patch_size, w // cfg.patch_size)
         return ImageLayout(tokens=h * w // cfg.factor**2, grid_thw=grid)
 
+    @property
+    def image_token_id(self) -> int:
+        return int(self.config["image_token_id"])
+
     def max_image_tokens(self) -> int:
         return self.image_settings.max_pixels // self.image_settings.factor**2
 

@@ -1,5 +1,5 @@
 """The FastAPI app: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``, ``/metrics``.
+``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``.
 
 Both endpoints' requests become a ``Job`` (``chat``, ``completions``), served here the same
 way: a prompt, or each prompt of a completions batch, is one request of the model. A
@@ -26,7 +26,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import (
@@ -36,17 +35,18 @@ from vllm.entrypoints.serve.engine.protocol import (
     ModelList,
     ModelPermission,
 )
-from vllm.exceptions import VLLMError
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
 from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
-from orchestrator.config import Topology, describe
+from orchestrator.config import Topology
 from orchestrator.context import RequestContext
 from orchestrator.frontend import DELTA_OUTPUTS, Delta, context_length, tensors_delta
 from orchestrator.openai_server import chat, completions
 from orchestrator.openai_server.answer import Answer, Choice
 from orchestrator.openai_server.media import MediaLoader
-from orchestrator.openai_server.request import generation_defaults
+from orchestrator.openai_server.request import generation_defaults, parse_request
+from orchestrator.openai_server.tokens import Tokens
 from orchestrator.pipeline import EPDPipeline
 from orchestrator.protocol import (
     DeadlineExceeded,
@@ -123,7 +123,7 @@ class OpenAIService:
         self.max_body_bytes = limits.max_request_bytes * 4 // 3 + (1 << 20)  # base64, JSON
         self.max_running = topology.openai.max_concurrent_requests
         self.running = 0
-        self._tokenizer: Any = None
+        self._tokens: Tokens | None = None
         self.pipeline: EPDPipeline | None = None
         """``epd``'s pipeline, run here (once ``start`` made it) when the server hosts ``epd``."""
         self.in_flight = 0
@@ -185,15 +185,20 @@ class OpenAIService:
             if self.replies is not None:
                 await self.replies.close()
 
-    async def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (what ``echo`` of a token-id prompt decodes with),
-        loaded off the loop on first use."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+    async def tokens(self) -> Tokens:
+        """The checkpoint's tokenizer and family (``/tokenize``, ``/detokenize``, and
+        ``echo`` of a token-id prompt), loaded off the loop on first use."""
+        if self._tokens is None:
+            from orchestrator.families import family_for
+            from orchestrator.frontend import PromptBuilder
 
-            load = AutoTokenizer.from_pretrained
-            self._tokenizer = await asyncio.to_thread(load, str(self.topology.model))
-        return self._tokenizer
+            model = self.topology.model
+            prompts, family = await asyncio.gather(
+                asyncio.to_thread(PromptBuilder, model, min(self.context.values())),
+                asyncio.to_thread(family_for, model),
+            )
+            self._tokens = Tokens(prompts, family, self.media, self.limits.max_image_pixels)
+        return self._tokens
 
     def model_for(self, name: str | None) -> str:
         if not name:
@@ -299,6 +304,33 @@ def create_app(topology: Topology, server: str) -> FastAPI:
     async def completions(raw: Request) -> Response:
         return await _serve(raw.app.state.service, raw, _completion_job)
 
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        service: OpenAIService = raw.app.state.service
+        try:
+            tokens = await service.tokens()
+            request, ids = await tokens.tokenize(await _read_json(service, raw))
+            context = service.context[service.model_for(request.model)]
+            answer = tokens.response(ids, context, bool(request.return_token_strs))
+        except LookupError as exc:
+            return error_response(404, str(exc.args[0]), "model")
+        except StageError as exc:
+            return stage_error_response(exc)
+        return JSONResponse(answer.model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        service: OpenAIService = raw.app.state.service
+        try:
+            request = parse_request(DetokenizeRequest, await _read_json(service, raw))
+            service.model_for(request.model)
+            answer = (await service.tokens()).detokenize(request)
+        except LookupError as exc:
+            return error_response(404, str(exc.args[0]), "model")
+        except StageError as exc:
+            return stage_error_response(exc)
+        return JSONResponse(answer.model_dump())
+
     return app
 
 
@@ -317,7 +349,7 @@ class Job:
 
 
 async def _chat_job(service: OpenAIService, body: Any) -> Job:
-    request = _parse(ChatCompletionRequest, body)
+    request = parse_request(ChatCompletionRequest, body)
     model = service.model_for(request.model)
     inputs = await chat.model_inputs(request, service.defaults, service.media)
     # The answer's id is the client's request_id, as vLLM names it; inside, the
@@ -328,13 +360,13 @@ async def _chat_job(service: OpenAIService, body: Any) -> Job:
 
 
 async def _completion_job(service: OpenAIService, body: Any) -> Job:
-    request = _parse(CompletionRequest, body)
+    request = parse_request(CompletionRequest, body)
     model = service.model_for(request.model)
     inputs = completions.model_inputs(request, service.defaults)
     echo = []
     request_prompts = completions.prompts(request)
     if request.echo:
-        tokenizer = await service.tokenizer()
+        tokenizer = (await service.tokens()).prompts.tokenizer
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in request_prompts]
     answer = completions.CompletionAnswer(
         id=f"cmpl-{request.request_id}",
@@ -362,15 +394,6 @@ async def _read_json(service: OpenAIService, raw: Request) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
-
-
-def _parse(kind: type[BaseModel], body: Any) -> Any:
-    try:
-        return kind.model_validate(body)
-    except ValidationError as exc:
-        raise InvalidRequest(describe(exc)) from None
-    except (ValueError, VLLMError) as exc:
-        raise InvalidRequest(str(exc)) from None
 
 
 async def _serve(service: OpenAIService, raw: Request, job_of: JobMaker) -> Response:

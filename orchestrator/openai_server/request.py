@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMError
 
+from orchestrator.config import describe
 from orchestrator.protocol import InvalidRequest, SamplingOptions
 
 GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -29,6 +31,17 @@ COMMON_FIELDS = frozenset(
     }
 )  # fmt: skip
 """Fields of both endpoints' requests this server acts on as ``vllm serve`` does."""
+
+
+def parse_request(kind: type[BaseModel], body: Any) -> Any:
+    """``body`` as vLLM's request model ``kind``, with vLLM's validators; ``InvalidRequest``
+    saying what is wrong."""
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe(exc)) from None
+    except (ValueError, VLLMError) as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def generation_defaults(model: Path) -> dict[str, Any]:
@@ -57,7 +70,7 @@ def check_supported(request: Any, served: frozenset[str], refusals: dict[str, An
     for name in sorted((request.model_fields_set & fields.keys()) - served - refusals.keys()):
         if getattr(request, name) != fields[name].get_default(call_default_factory=True):
             raise InvalidRequest(f"{name}: not supported by this server")
-    options = request.stream_options
+    options = getattr(request, "stream_options", None)
     if options is not None and options.continuous_usage_stats:
         raise InvalidRequest("stream_options.continuous_usage_stats: not supported")
 

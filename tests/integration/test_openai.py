@@ -441,6 +441,63 @@ def test_completions_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
             assert _completion(client, model, case, stream) == theirs, (model, stream)
 
 
+TOKENIZE = {
+    "prompt": {"prompt": "Once upon a time"},
+    "prompt, no special tokens, token strings": {
+        "prompt": "Once upon a time",
+        "add_special_tokens": False,
+        "return_token_strs": True,
+    },
+    "text chat": {"messages": CASES["text only"]},
+    "chat with a photo": {"messages": CASES["photo"]},
+    "two images interleaved": {"messages": CASES["two images interleaved"]},
+}
+"""``/tokenize`` requests, both forms: a prompt as it is, and a chat (images counted)."""
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    response = httpx.post(url, json=body, timeout=60)
+    return response.status_code, response.json()
+
+
+@pytest.mark.parametrize("case", list(TOKENIZE))
+def test_tokenize_and_detokenize_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
+    """The same token ids (each image's placeholder repeated for its tokens), count,
+    context and token strings as ``vllm serve``, and the same text back; a chat's count is
+    the ``usage.prompt_tokens`` its completion reports."""
+    peer, ours = vllm_serve.removesuffix("/v1"), stack.openai["front"].url
+    status, theirs = _post(f"{peer}/tokenize", {"model": "tiny", **TOKENIZE[case]})
+    assert status == 200 and theirs["count"] == len(theirs["tokens"]) > 0, theirs
+    for model in ("epd", "aggregated"):
+        assert _post(f"{ours}/tokenize", {"model": model, **TOKENIZE[case]}) == (200, theirs)
+    back = {"model": "tiny", "tokens": theirs["tokens"]}
+    assert _post(f"{ours}/detokenize", back) == _post(f"{peer}/detokenize", back)
+    if messages := TOKENIZE[case].get("messages"):
+        answer = client.chat.completions.create(model="epd", messages=messages, **GREEDY)
+        assert answer.usage.prompt_tokens == theirs["count"]
+
+
+def test_tokenize_errors_have_the_right_status_and_say_what_is_wrong(stack):
+    url = stack.openai["front"].url
+    bad_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for route, body, status, message in [
+        ("tokenize", {"model": "gpt-4o", "prompt": "x"}, 404, "does not exist"),
+        ("tokenize", {"messages": [{"role": "user", "content": [bad_image]}]}, 400, "image 1 of 1"),
+        ("tokenize", {"messages": CASES["text only"], "tools": tools}, 400, "tools: tool calling"),
+        (
+            "tokenize",
+            {"messages": CASES["text only"], "chat_template_kwargs": {}},
+            400,
+            "chat_template_kwargs: not supported",
+        ),
+        ("detokenize", {"tokens": [1 << 30]}, 400, "out of the vocabulary"),
+        ("detokenize", {"model": "gpt-4o", "tokens": [1]}, 404, "does not exist"),
+    ]:
+        got, body = _post(f"{url}/{route}", body)
+        assert got == status and message in body["error"]["message"], (route, body)
+
+
 @pytest.mark.parametrize("kind", list(openai_peer.KINDS))
 def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
     """vLLM's own load generator runs clean: the chat API with synthetic images or

@@ -62,8 +62,27 @@ def test_image_tokens_are_what_the_processor_expands_to(family, hf_processor, na
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
     prompt = hf_processor.apply_chat_template(messages, add_generation_prompt=True)
     ids = hf_processor(text=[prompt], images=[image], return_tensors="np")["input_ids"][0]
-    image_token = family.config.get("image_token_id", family.config.get("image_token_index"))
-    assert int((ids == image_token).sum()) == family.image_layout(image.width, image.height).tokens
+    tokens = family.image_layout(image.width, image.height).tokens
+    assert int((ids == family.image_token_id).sum()) == tokens
+
+
+def test_a_chats_tokens_are_the_processors_with_each_placeholder_expanded(family, hf_processor):
+    """What ``/tokenize`` answers for a chat with images: our template's ids with each
+    image's placeholder repeated for its tokens equal the HF processor's (what vLLM's
+    renderer hands the engine)."""
+    from orchestrator.frontend import PromptBuilder
+    from orchestrator.openai_server.tokens import expand_images
+
+    images = [photo_named("astronaut"), photo_named("tiny_12x9")]
+    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    messages = [{"role": "user", "content": content}]
+    prompt = hf_processor.apply_chat_template(messages, add_generation_prompt=True)
+    expected = hf_processor(
+        text=[prompt], images=images, add_special_tokens=False, return_tensors="np"
+    )["input_ids"][0].tolist()
+    ours = PromptBuilder(family.checkpoint.path, max_model_len=4096).render_now(messages)
+    tokens = [family.image_layout(i.width, i.height).tokens for i in images]
+    assert expand_images(ours.token_ids, family.image_token_id, tokens) == expected
 
 
 def test_graph_inputs_cover_the_feeds(family):

@@ -213,3 +213,11 @@ def test_allowed_hosts_are_fetched_within_limits():
                 asyncio.run(load(path))
     finally:
         server.shutdown()
+
+
+def test_tokenize_repeats_each_placeholder_for_its_image_and_refuses_one_written_as_text():
+    from orchestrator.openai_server.tokens import expand_images
+
+    assert expand_images([1, 9, 2, 9], 9, [3, 1]) == [1, 9, 9, 9, 2, 9]
+    with pytest.raises(InvalidRequest, match="2 placeholders for 1 image"):
+        expand_images([9, 1, 9], 9, [4])
