@@ -1,5 +1,5 @@
 """The FastAPI app: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``.
+``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``.
 
 Both endpoints' requests become a ``Job`` (``chat``, ``completions``), served here the same
 way: a prompt, or each prompt of a completions batch, is one request of the model. A
@@ -271,6 +271,16 @@ def create_app(topology: Topology, server: str) -> FastAPI:
             if not await service.client.model_ready(model):
                 return Response(status_code=503)
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """The vLLM whose request shapes and engines this server runs (what a client of
+        ``vllm serve`` reads here), and this project's own version."""
+        from importlib.metadata import version
+
+        from vllm import __version__ as vllm_version
+
+        return JSONResponse({"version": vllm_version, "epd": version("epd-orchestrator")})
 
     @app.get("/metrics")
     async def metrics(raw: Request) -> Response:

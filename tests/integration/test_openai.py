@@ -136,6 +136,10 @@ def test_models_and_health(stack, client):
     assert all(m.root == str(stack.topology.model) and m.max_model_len > 0 for m in models)
     with urllib.request.urlopen(f"{stack.openai['front'].url}/health", timeout=10) as response:
         assert response.status == 200
+    import vllm
+
+    version = httpx.get(f"{stack.openai['front'].url}/version", timeout=10).json()
+    assert version["version"] == vllm.__version__ and version["epd"], version
 
 
 @pytest.mark.parametrize("case", list(CASES))
