@@ -13,12 +13,12 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from orchestrator.config import Limits
 from orchestrator.frontend import Delta, parse_front_request
 from orchestrator.openai_server.answer import Choice
-from orchestrator.openai_server.app import _merged
 from orchestrator.openai_server.completions import (
     CompletionAnswer,
     check_completion,
     model_inputs,
 )
+from orchestrator.openai_server.serving import merged
 from orchestrator.protocol import InvalidRequest, StageError
 
 
@@ -116,23 +116,23 @@ async def _steps(name: str, texts: list[str], log: list[str], fail: bool = False
 def test_a_batchs_streams_merge_by_index_and_the_first_error_stops_them_all():
     async def run():
         log: list[str] = []
-        merged = _merged([_steps("a", ["a1", "a2"], log), _steps("b", ["b1"], log)])
-        got = [(i, d.text) async for i, d in merged]
+        both = merged([_steps("a", ["a1", "a2"], log), _steps("b", ["b1"], log)])
+        got = [(i, d.text) async for i, d in both]
         assert sorted(got) == [(0, "a1"), (0, "a2"), (1, "b1")]
         assert [t for i, t in got if i == 0] == ["a1", "a2"]  # each stream in its order
         assert sorted(log) == ["a closed", "b closed"]
 
         log.clear()
-        merged = _merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log, fail=True)])
+        both = merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log, fail=True)])
         with pytest.raises(StageError, match="b failed"):
-            async for _ in merged:
+            async for _ in both:
                 pass
         assert sorted(log) == ["b closed", "forever closed"]  # the other one is stopped
 
         log.clear()  # a client that leaves: closing the merge stops every stream
-        merged = _merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log)])
-        await anext(merged)
-        await merged.aclose()
+        both = merged([_steps("forever", ["f1"], log), _steps("b", ["b1"], log)])
+        await anext(both)
+        await both.aclose()
         assert sorted(log) == ["b closed", "forever closed"]
 
     asyncio.run(run())
