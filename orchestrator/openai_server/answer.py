@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
@@ -35,6 +35,11 @@ class Choice:
 class Answer(ABC):
     """What the client is owed: each prompt's choice, by index."""
 
+    chunk_type: ClassVar[type]
+    """The endpoint's stream chunk model (vLLM's)."""
+    chunk_object: ClassVar[str]
+    """The chunks' ``object`` (set, so that it is sent)."""
+
     id: str
     model: str
     choices: list[Choice]
@@ -59,9 +64,21 @@ class Answer(ABC):
         """The event for one step of choice ``index`` (already added); ``None`` when the
         step gives the client nothing."""
 
-    @abstractmethod
     def usage_event(self) -> str:
         """The last event when ``stream_options.include_usage``: no choices, the usage."""
+        chunk = self.stream_chunk([], usage=self.usage())
+        return sse(chunk, exclude_unset=True, exclude_none=True)
+
+    def stream_chunk(self, choices: list, **extra: Any) -> Any:
+        """One chunk of the stream (the endpoint's chunk model) holding ``choices``."""
+        return self.chunk_type(
+            id=self.id,
+            object=self.chunk_object,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            **extra,
+        )
 
     @abstractmethod
     def response(self) -> Any:

@@ -136,6 +136,9 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
 class ChatAnswer(Answer):
     """A chat answer (one choice): ``chat.completion``, or its chunks."""
 
+    chunk_type = ChatCompletionStreamResponse
+    chunk_object = "chat.completion.chunk"
+
     choices: list[Choice] = field(default_factory=lambda: [Choice()])
 
     def opening(self) -> list[str]:
@@ -148,21 +151,7 @@ class ChatAnswer(Answer):
 
     def _chunk(self, delta: DeltaMessage, finish: str | None = None) -> str:
         choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)
-        return sse(self._stream_response([choice]), exclude_unset=True)
-
-    def usage_event(self) -> str:
-        chunk = self._stream_response([], usage=self.usage())
-        return sse(chunk, exclude_unset=True, exclude_none=True)
-
-    def _stream_response(self, choices: list, **extra: Any) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(
-            id=self.id,
-            object="chat.completion.chunk",
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            **extra,
-        )
+        return sse(self.stream_chunk([choice]), exclude_unset=True)
 
     def response(self) -> ChatCompletionResponse:
         (answer,) = self.choices

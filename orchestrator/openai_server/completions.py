@@ -95,6 +95,9 @@ class CompletionAnswer(Answer):
     """A text completion, one choice per prompt: ``text_completion``, or its chunks. With
     ``echo``, each choice's text starts with its prompt."""
 
+    chunk_type = CompletionStreamResponse
+    chunk_object = "text_completion"
+
     echo: list[str] = field(default_factory=list)
     """Each choice's prompt text still to send (``echo``), emptied once it is."""
 
@@ -105,27 +108,13 @@ class CompletionAnswer(Answer):
         choice = CompletionResponseStreamChoice(
             index=index, text=text, finish_reason=delta.finish_reason
         )
-        return sse(self._stream_response([choice]), exclude_unset=True)
+        return sse(self.stream_chunk([choice]), exclude_unset=True)
 
     def _echoed(self, index: int) -> str:
         if not self.echo:
             return ""
         prompt, self.echo[index] = self.echo[index], ""
         return prompt
-
-    def usage_event(self) -> str:
-        chunk = self._stream_response([], usage=self.usage())
-        return sse(chunk, exclude_unset=True, exclude_none=True)
-
-    def _stream_response(self, choices: list, **extra: Any) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            id=self.id,
-            object="text_completion",
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            **extra,
-        )
 
     def response(self) -> CompletionResponse:
         choices = [
