@@ -24,7 +24,7 @@ from orchestrator.config import Topology
 from orchestrator.openai_server import chat, completions
 from orchestrator.openai_server.answer import Choice
 from orchestrator.openai_server.request import parse_request
-from orchestrator.openai_server.service import OpenAIService
+from orchestrator.openai_server.service import OpenAIService, UnknownModel
 from orchestrator.openai_server.serving import (
     Job,
     error_response,
@@ -107,7 +107,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
             request, ids = await tokens.tokenize(await read_json(service, raw))
             context = service.context[service.model_for(request.model)]
             answer = tokens.response(ids, context, bool(request.return_token_strs))
-        except LookupError as exc:
+        except UnknownModel as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
             return stage_error_response(exc)
@@ -120,7 +120,7 @@ def create_app(topology: Topology, server: str) -> FastAPI:
             request = parse_request(DetokenizeRequest, await read_json(service, raw))
             service.model_for(request.model)
             answer = (await service.tokens()).detokenize(request)
-        except LookupError as exc:
+        except UnknownModel as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
             return stage_error_response(exc)

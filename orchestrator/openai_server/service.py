@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, Any]
 
 
+class UnknownModel(LookupError):
+    """A request names a model this front does not serve (404)."""
+
+
 class OpenAIService:
     """What the routes share: ``epd``'s pipeline, the Triton client, names, limits,
     counters, and the tokenizer (``tokens``)."""
@@ -149,7 +153,7 @@ class OpenAIService:
         if not name:
             return next(iter(self.models.values()))
         if name not in self.models:
-            raise LookupError(
+            raise UnknownModel(
                 f"The model `{name}` does not exist. Valid names: {', '.join(self.models)}."
             )
         return self.models[name]

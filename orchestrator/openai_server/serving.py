@@ -23,7 +23,7 @@ from orchestrator import tracing
 from orchestrator.context import RequestContext
 from orchestrator.frontend import Delta
 from orchestrator.openai_server.answer import Answer
-from orchestrator.openai_server.service import OpenAIService
+from orchestrator.openai_server.service import OpenAIService, UnknownModel
 from orchestrator.protocol import InvalidRequest, Overloaded, StageError, TooLarge
 
 Tensors = dict[str, Any]
@@ -105,7 +105,7 @@ async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Res
         try:
             job = await job_of(service, await read_json(service, raw))
             slots.take(len(job.inputs) - 1)  # a batch's prompts each run as a request
-        except LookupError as exc:
+        except UnknownModel as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
             return stage_error_response(exc)
@@ -169,7 +169,7 @@ async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Res
 
 
 JobMaker = Callable[[OpenAIService, Any], Awaitable[Job]]
-"""Reads an endpoint's request body into a ``Job`` (``StageError`` or ``LookupError``
+"""Reads an endpoint's request body into a ``Job`` (``StageError`` or ``UnknownModel``
 when it cannot be served)."""
 
 
