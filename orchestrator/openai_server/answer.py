@@ -1,4 +1,4 @@
-"""An answer as it streams, for either endpoint: one choice per prompt, the usage, and the
+"""An answer as it streams, for either endpoint: its choices (``n`` per prompt), the usage, and the
 endpoint's own shapes (whole, or as server-sent events) in its subclass."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Choice:
 
 @dataclass
 class Answer(ABC):
-    """What the client is owed: each prompt's choice, by index."""
+    """What the client is owed: each choice, by index."""
 
     chunk_type: ClassVar[type]
     """The endpoint's stream chunk model (vLLM's)."""
@@ -43,13 +43,15 @@ class Answer(ABC):
     id: str
     model: str
     choices: list[Choice]
+    per_prompt: int = 1
+    """Choices per prompt (``n``): a prompt's tokens count once in the usage, as in vLLM."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def add(self, index: int, delta: Delta) -> None:
         self.choices[index].add(delta)
 
     def usage(self) -> UsageInfo:
-        prompt = sum(c.prompt_tokens for c in self.choices)
+        prompt = sum(c.prompt_tokens for c in self.choices[:: self.per_prompt])
         completion = sum(c.completion_tokens for c in self.choices)
         return UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion

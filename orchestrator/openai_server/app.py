@@ -2,8 +2,9 @@
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``.
 
 Both completion endpoints read their request into a ``Job`` (``chat``, ``completions``)
-that ``serving`` answers the same way: a prompt, or each prompt of a completions list, is
-one request of the model, stopped in every stage when the client goes away.
+that ``serving`` answers the same way: each answer (``n`` per prompt, of each prompt of a
+completions list) is one request of the model, stopped in every stage when the client
+goes away.
 """
 
 from __future__ import annotations
@@ -136,8 +137,13 @@ async def _chat_job(service: OpenAIService, body: Any) -> Job:
     # The answer's id is the client's request_id, as vLLM names it; inside, the
     # request gets an id of its own (a client's may collide with another's in every
     # stage's bookkeeping: handles released by request id, KV abandoned by it).
-    answer = chat.ChatAnswer(id=f"chatcmpl-{request.request_id}", model=request.model or model)
-    return Job(model, [inputs], answer, bool(request.stream), _usage(request), "chat.completions")
+    answer = chat.ChatAnswer(
+        id=f"chatcmpl-{request.request_id}",
+        model=request.model or model,
+        choices=[Choice() for _ in inputs],
+        per_prompt=len(inputs),  # one conversation
+    )
+    return Job(model, inputs, answer, bool(request.stream), _usage(request), "chat.completions")
 
 
 async def _completion_job(service: OpenAIService, body: Any) -> Job:
@@ -148,11 +154,13 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
     request_prompts = completions.prompts(request)
     if request.echo:
         tokenizer = (await service.tokens()).prompts.tokenizer
-        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in request_prompts]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in request_prompts]
+        echo = [text for text in texts for _ in range(request.n)]
     answer = completions.CompletionAnswer(
         id=f"cmpl-{request.request_id}",
         model=request.model or model,
         choices=[Choice() for _ in inputs],
+        per_prompt=request.n,
         echo=echo,
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "completions")

@@ -1,8 +1,9 @@
 """A chat completion request in, the ``epd`` / ``aggregated`` model's inputs out; the
 model's per-step outputs back into OpenAI chat answers (whole, or as stream chunks).
 
-What the engines cannot do is refused with a 400 naming the field, never ignored:
-``n`` > 1, tool calling, log-probabilities, beam search, structured output.
+What the engines cannot do is refused with a 400 naming the field, never ignored: tool
+calling, log-probabilities, beam search, structured output. ``n`` answers are ``n``
+requests, as vLLM's parallel sampling makes them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 
 from orchestrator.frontend import CHAT_ROLES, Delta
-from orchestrator.openai_server.answer import Answer, Choice, sse
+from orchestrator.openai_server.answer import Answer, sse
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import (
     COMMON_FIELDS,
     check_supported,
     common_refusals,
+    parallel_samples,
     sampling,
 )
 from orchestrator.protocol import InvalidRequest
@@ -106,9 +108,9 @@ def conversation(request: Any) -> Conversation:
     return chat
 
 
-async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoader) -> Tensors:
-    """The Triton inputs of ``epd`` / ``aggregated`` for a chat request (each image
-    fetched or decoded here, then checked again by the model)."""
+async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoader) -> list[Tensors]:
+    """The Triton inputs of ``epd`` / ``aggregated`` for a chat request, one set per
+    answer (``n``; each image fetched or decoded here, then checked again by the model)."""
     check_chat(request)
     chat = conversation(request)
     images = [
@@ -119,7 +121,6 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
     options = sampling(request, asked, defaults)
     inputs: Tensors = {
         "messages": np.array([json.dumps(chat.messages).encode()], dtype=np.object_),
-        "sampling_parameters": np.array([options.model_dump_json().encode()], dtype=np.object_),
         "stream": np.array([True]),
         "return_finish_reason": np.array([True]),
         "return_num_input_tokens": np.array([True]),
@@ -129,37 +130,39 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
         inputs["image"] = np.array(images, dtype=np.object_)
     if request.add_special_tokens:
         inputs["add_special_tokens"] = np.array([True])
-    return inputs
+    return parallel_samples(inputs, options, request.n or 1)
 
 
 @dataclass
 class ChatAnswer(Answer):
-    """A chat answer (one choice): ``chat.completion``, or its chunks."""
+    """A chat answer (``n`` choices of one conversation): ``chat.completion``, or its
+    chunks."""
 
     chunk_type = ChatCompletionStreamResponse
     chunk_object = "chat.completion.chunk"
 
-    choices: list[Choice] = field(default_factory=lambda: [Choice()])
-
     def opening(self) -> list[str]:
-        return [self._chunk(DeltaMessage(role="assistant", content=""))]
+        role = DeltaMessage(role="assistant", content="")
+        return [self._chunk(i, role) for i in range(len(self.choices))]
 
     def event(self, index: int, delta: Delta) -> str | None:
         if not delta.text and delta.finish_reason is None:
             return None
-        return self._chunk(DeltaMessage(content=delta.text), delta.finish_reason)
+        return self._chunk(index, DeltaMessage(content=delta.text), delta.finish_reason)
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None = None) -> str:
-        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)
+    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None = None) -> str:
+        choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, finish_reason=finish)
         return sse(self.stream_chunk([choice]), exclude_unset=True)
 
     def response(self) -> ChatCompletionResponse:
-        (answer,) = self.choices
-        choice = ChatCompletionResponseChoice(
-            index=0,
-            message=ChatMessage(role="assistant", content="".join(answer.text)),
-            finish_reason=answer.finish_reason or "stop",
-        )
+        choices = [
+            ChatCompletionResponseChoice(
+                index=i,
+                message=ChatMessage(role="assistant", content="".join(answer.text)),
+                finish_reason=answer.finish_reason or "stop",
+            )
+            for i, answer in enumerate(self.choices)
+        ]
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )

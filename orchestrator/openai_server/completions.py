@@ -1,11 +1,13 @@
 """A completions request (``/v1/completions``) in, one ``epd`` / ``aggregated`` request
-per prompt out; their per-step outputs back into OpenAI text completions.
+per answer out (``n`` per prompt); their per-step outputs back into OpenAI text
+completions.
 
 A prompt goes to the engine as it is, without the chat template, as vLLM's completions
 endpoint sends it: text (tokenized with the tokenizer's special tokens unless
 ``add_special_tokens`` is false) or token ids, one prompt or a list of them, each its own
-choice (``index``). What the engines cannot do is refused with a 400 naming the field:
-``n`` > 1, log-probabilities, ``suffix``, prompt embeddings, beam search, structured output.
+choice (``index``), or ``n`` choices each. What the engines cannot do is refused
+with a 400 naming the field: log-probabilities, ``suffix``, prompt embeddings, beam
+search, structured output.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from orchestrator.openai_server.request import (
     COMMON_FIELDS,
     check_supported,
     common_refusals,
+    parallel_samples,
     sampling,
 )
 from orchestrator.protocol import InvalidRequest
@@ -67,12 +70,12 @@ def prompts(request: Any) -> list[RawPrompt]:
 
 
 def model_inputs(request: Any, defaults: dict[str, Any]) -> list[Tensors]:
-    """The Triton inputs of ``epd`` / ``aggregated``, one set per prompt."""
+    """The Triton inputs of ``epd`` / ``aggregated``, one set per answer: ``n`` per
+    prompt, prompt after prompt (choice ``index`` = prompt's index * ``n`` + answer's)."""
     check_completion(request)
     # vLLM reads a missing or null max_tokens as 16 (the completions API's default)
-    options = sampling(request, request.max_tokens, defaults).model_dump_json().encode()
+    options = sampling(request, request.max_tokens, defaults)
     common: Tensors = {
-        "sampling_parameters": np.array([options], dtype=np.object_),
         "stream": np.array([True]),
         "add_special_tokens": np.array([request.add_special_tokens]),
         "return_finish_reason": np.array([True]),
@@ -82,18 +85,19 @@ def model_inputs(request: Any, defaults: dict[str, Any]) -> list[Tensors]:
     sets = []
     for i, prompt in enumerate(prompts(request)):
         if isinstance(prompt, str):
-            sets.append({**common, "prompt": np.array([prompt.encode()], dtype=np.object_)})
+            inputs = {**common, "prompt": np.array([prompt.encode()], dtype=np.object_)}
         elif prompt:
-            sets.append({**common, "prompt_token_ids": np.array(prompt, dtype=np.int64)})
+            inputs = {**common, "prompt_token_ids": np.array(prompt, dtype=np.int64)}
         else:
             raise InvalidRequest(f"prompt[{i}] is empty")
+        sets += parallel_samples(inputs, options, request.n or 1)
     return sets
 
 
 @dataclass
 class CompletionAnswer(Answer):
-    """A text completion, one choice per prompt: ``text_completion``, or its chunks. With
-    ``echo``, each choice's text starts with its prompt."""
+    """A text completion, ``per_prompt`` choices per prompt: ``text_completion``, or its
+    chunks. With ``echo``, each choice's text starts with its prompt."""
 
     chunk_type = CompletionStreamResponse
     chunk_object = "text_completion"

@@ -8,11 +8,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMError
 
 from orchestrator.config import describe
 from orchestrator.protocol import InvalidRequest, SamplingOptions
+
+Tensors = dict[str, np.ndarray]
 
 GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 """Sampling defaults a checkpoint's ``generation_config.json`` sets, as vLLM reads them."""
@@ -20,7 +23,7 @@ GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "m
 COMMON_FIELDS = frozenset(
     {
         # which model, how the prompt is tokenized, the answer's shape
-        "model", "add_special_tokens", "stream", "stream_options", "request_id",
+        "model", "add_special_tokens", "stream", "stream_options", "request_id", "n",
         # vLLM's to_sampling_params reads them; SamplingOptions carries them
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
@@ -76,10 +79,9 @@ def check_supported(request: Any, served: frozenset[str], refusals: dict[str, An
 
 
 def common_refusals(request: Any) -> dict[str, Any]:
-    """What neither endpoint serves, by field: more answers than one per prompt, beam
-    search, structured output, log-probabilities of the prompt."""
+    """What neither endpoint serves, by field: beam search, structured output,
+    log-probabilities of the prompt."""
     return {
-        "n": (request.n or 1) != 1 and "one answer per request (n must be 1)",
         "prompt_logprobs": request.prompt_logprobs is not None and "not returned",
         "use_beam_search": request.use_beam_search and "beam search is not served here",
         "response_format": (
@@ -107,3 +109,18 @@ def sampling(request: Any, asked: int | None, defaults: dict[str, Any]) -> Sampl
         return SamplingOptions.model_validate({**options, "max_tokens": asked})
     except ValueError as exc:
         raise InvalidRequest(f"sampling parameters: {exc}") from None
+
+
+def parallel_samples(inputs: Tensors, options: SamplingOptions, n: int) -> list[Tensors]:
+    """``n`` answers to one prompt as vLLM's parallel sampling makes them: ``n`` requests
+    of one answer each, the ``j``-th seeded ``seed + j`` when the request has a seed."""
+    samples = []
+    for j in range(n):
+        child = (
+            options
+            if options.seed is None
+            else options.model_copy(update={"seed": options.seed + j})
+        )
+        encoded = np.array([child.model_dump_json().encode()], dtype=np.object_)
+        samples.append({**inputs, "sampling_parameters": encoded})
+    return samples

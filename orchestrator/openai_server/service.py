@@ -88,7 +88,7 @@ class OpenAIService:
         )
         Gauge(
             "epd_openai_requests_running",
-            "Requests in flight (each prompt of a completions batch counts)",
+            "Requests in flight (each answer counts: n, times a completions list's prompts)",
             registry=self.registry,
         ).set_function(lambda: self.running)
         self.ttft = Histogram(

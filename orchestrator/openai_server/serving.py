@@ -1,7 +1,7 @@
 """How the front answers a request of either endpoint (a ``Job``): the cap on requests in
-flight, one ``RequestContext`` per prompt, each prompt's first step deciding the status,
-the prompts' streams merged by choice index, whole answers or server-sent events, and the
-client's hang-up stopping every prompt in every stage. Errors keep their kind from the
+flight, one ``RequestContext`` per answer, each answer's first step deciding the status,
+the answers' streams merged by choice index, whole answers or server-sent events, and the
+client's hang-up stopping every answer in every stage. Errors keep their kind from the
 stages to the HTTP status (``protocol.StageError.http_status``) in OpenAI's error shape.
 """
 
@@ -57,7 +57,7 @@ def stage_error_response(exc: StageError) -> JSONResponse:
 @dataclass
 class Job:
     """One HTTP request as the front serves it: which model, one set of inputs per
-    prompt, what the answer looks like."""
+    answer (choice index order), what the answer looks like."""
 
     model: str
     inputs: list[Tensors]
@@ -104,7 +104,7 @@ async def _answer(service: OpenAIService, raw: Request, job_of: JobMaker) -> Res
     try:
         try:
             job = await job_of(service, await read_json(service, raw))
-            slots.take(len(job.inputs) - 1)  # a batch's prompts each run as a request
+            slots.take(len(job.inputs) - 1)  # each answer of each prompt runs as a request
         except UnknownModel as exc:
             return error_response(404, str(exc.args[0]), "model")
         except StageError as exc:
@@ -220,7 +220,7 @@ async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int
 
 
 class _Slots:
-    """A request's share of the front's ``max_concurrent_requests`` (one per prompt),
+    """A request's share of the front's ``max_concurrent_requests`` (one per answer),
     given back once: by a stream before its ``[DONE]``, so a client that waits for it
     before sending the next request never finds the front full because of its own last
     request."""
@@ -238,13 +238,13 @@ class _Slots:
             return
         if 1 + more > service.max_running:
             raise TooLarge(
-                f"{1 + more} prompts in one request; this server runs at most "
+                f"{1 + more} answers in one request (prompts x n); this server runs at most "
                 f"{service.max_running} at once"
             )
         if service.running + more > service.max_running:
             raise Overloaded(
                 f"this server is at its limit of {service.max_running} requests in flight "
-                f"(the request's {1 + more} prompts each count)"
+                f"(each of the request's {1 + more} answers counts)"
             )
         service.running += more
         self.count += more

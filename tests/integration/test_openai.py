@@ -68,7 +68,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         tiny_model,
         EPD_LAYOUT,
         openai_on="front",
-        openai={"max_concurrent_requests": 2},
+        openai={"max_concurrent_requests": 4},
         tracing={"directory": workdir / "traces"},
     )
     yield from running_deployment(topology, workdir)
@@ -230,7 +230,7 @@ def test_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
     remote = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
     cases = [
         ({"model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist"),
-        ({"n": 2}, 400, "n: one answer per request"),
+        ({"n": 2, "temperature": 0}, 400, "n must be 1 when using greedy sampling"),
         ({"logprobs": True}, 400, "logprobs"),
         ({"temperature": -1}, 400, "temperature"),
         (
@@ -266,7 +266,7 @@ def _completion_status(client: openai.OpenAI, **request) -> tuple[int, str]:
 def test_completions_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
     cases = [
         ({"model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist"),
-        ({"n": 2}, 400, "n: one answer per request"),
+        ({"n": 2, "temperature": 0}, 400, "n must be 1 when using greedy sampling"),
         ({"logprobs": 1}, 400, "logprobs: log-probabilities are not returned"),
         ({"suffix": "end"}, 400, "suffix"),
         ({"prompt": ""}, 400, "must be provided and non-empty"),
@@ -333,32 +333,33 @@ LONG = {
 
 
 def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
-    """Long answers, streamed: with one of the front's two places taken, a completions
-    batch of two prompts (each counts) is 429 and one of three never fits (413); with both
-    taken, any request is 429. Then the client hangs up: every stage is idle at once."""
+    """Long answers, streamed: with one of the front's four places taken, a completions
+    list of four prompts (each answer counts) is 429 and one of five never fits (413); once
+    a chat with three answers takes the rest, any request is 429. Then the client hangs
+    up: all four are stopped and every stage is idle at once."""
 
     def stream_then_leave() -> None:
-        body = {**LONG, "stream": True}
         url = f"{base_url(stack)}/chat/completions"
         with (
             httpx.Client(timeout=60) as http,
-            http.stream("POST", url, json=body) as one,
+            http.stream("POST", url, json={**LONG, "stream": True}) as one,
         ):
             lines = one.iter_lines()  # kept: dropping it would close the stream early
             assert next(lines).startswith("data: ")  # the role: decoding has begun
             for prompts, status, message in (
-                (2, 429, "the request's 2 prompts each count"),
-                (3, 413, "3 prompts in one request; this server runs at most 2"),
+                (4, 429, "each of the request's 4 answers counts"),
+                (5, 413, "5 answers in one request (prompts x n); this server runs at most 4"),
             ):
                 got = _completion_status(client, prompt=["Once"] * prompts)
                 assert got == (status, got[1]) and message in got[1], got
-            with http.stream("POST", url, json=body) as two:
+            three = {**LONG, "stream": True, "n": 3, "temperature": 1.0}
+            with http.stream("POST", url, json=three) as two:
                 more = two.iter_lines()
                 assert next(more).startswith("data: ")
                 status, message = _status(client)
-                assert status == 429 and "limit of 2 requests in flight" in message
+                assert status == 429 and "limit of 4 requests in flight" in message
 
-    _hang_up_stops_every_stage(stack, stream_then_leave, requests=2)
+    _hang_up_stops_every_stage(stack, stream_then_leave, requests=4)
 
 
 def test_hang_up_while_waiting_for_a_whole_answer_stops_every_stage(stack):
@@ -445,6 +446,45 @@ def test_completions_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
             assert _completion(client, model, case, stream) == theirs, (model, stream)
 
 
+SAMPLED = {"seed": 7, "temperature": 1.0, "max_tokens": 8}
+"""Seeded sampling: with ``n`` answers, vLLM seeds the j-th ``seed + j``."""
+
+
+def _texts(answer, stream: bool, chat: bool) -> dict[int, str]:
+    """Each choice's text by index, from a whole answer or its chunks."""
+    texts: dict[int, str] = {}
+    for chunk in answer if stream else [answer]:
+        for choice in chunk.choices:
+            if chat:
+                text = (choice.delta.content if stream else choice.message.content) or ""
+            else:
+                text = choice.text
+            texts[choice.index] = texts.get(choice.index, "") + text
+    return texts
+
+
+def test_n_seeded_answers_are_vllm_serves(vllm_serve, stack, client):
+    """``n`` answers, seeded, to a chat with a photo and to a list of two prompts: each
+    choice equals ``vllm serve``'s of the same index (its parallel sampling's seeds),
+    through ``epd`` (E/P/D) and ``aggregated``, whole and streamed."""
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    chat = {"messages": CASES["photo"], "n": 3, **SAMPLED}
+    cmpl = {"prompt": ["Once upon a time", "The cat"], "n": 2, **SAMPLED}
+    theirs_chat = _texts(peer.chat.completions.create(model="tiny", **chat), False, True)
+    theirs_cmpl = _texts(peer.completions.create(model="tiny", **cmpl), False, False)
+    assert len(theirs_chat) == 3 and len(set(theirs_chat.values())) > 1, theirs_chat
+    assert len(theirs_cmpl) == 4 and len(set(theirs_cmpl.values())) > 2, theirs_cmpl
+    for model in ("epd", "aggregated"):
+        for stream in (False, True):
+            ours = client.chat.completions.create(model=model, stream=stream, **chat)
+            assert _texts(ours, stream, True) == theirs_chat, (model, stream)
+            ours = client.completions.create(model=model, stream=stream, **cmpl)
+            assert _texts(ours, stream, False) == theirs_cmpl, (model, stream)
+    whole = client.chat.completions.create(model="epd", **chat)
+    one = client.chat.completions.create(model="epd", **{**chat, "n": 1})
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+
+
 TOKENIZE = {
     "prompt": {"prompt": "Once upon a time"},
     "prompt, no special tokens, token strings": {
@@ -523,7 +563,7 @@ def test_vllm_bench_serve_runs_against_it(stack, tmp_path, kind):
 
 def test_text_is_measured_while_photos_are_answered(stack, vllm_serve, tmp_path):
     """``epd bench openai``'s mixed workload: the text run happens while the photo load is
-    answered (against ``vllm serve``: this module's front takes two requests at a time)."""
+    answered (against ``vllm serve``: this module's front takes four requests at a time)."""
     result = openai_peer.bench_serve(
         vllm_serve.removesuffix("/v1"), stack.topology.model, "tiny", openai_peer.MIXED,
         prompts=6, warmups=1, concurrency=2, out=tmp_path / "result.json",

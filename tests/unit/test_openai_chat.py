@@ -12,6 +12,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from orchestrator.config import Limits
 from orchestrator.frontend import Delta, parse_front_request
+from orchestrator.openai_server.answer import Choice
 from orchestrator.openai_server.chat import ChatAnswer, check_chat, conversation, model_inputs
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.protocol import InvalidRequest, TooLarge
@@ -25,7 +26,6 @@ def request(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"n": 3}, "n: one answer"),
         ({"logprobs": True}, "logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tool calling"),
         ({"use_beam_search": True}, "beam search"),
@@ -109,7 +109,7 @@ def test_images_stay_where_they_are_in_the_conversation():
 def sampling(chat: ChatCompletionRequest, defaults: dict):
     """The sampling options the model receives for ``chat``."""
     loader = MediaLoader([], timeout_s=1, max_bytes=8)
-    inputs = asyncio.run(model_inputs(chat, defaults, loader))
+    (inputs,) = asyncio.run(model_inputs(chat, defaults, loader))
     return parse_front_request(inputs, Limits()).sampling
 
 
@@ -124,10 +124,33 @@ def test_sampling_is_vllms_reading_with_the_checkpoints_defaults():
         sampling(request(max_tokens=-5), {})
 
 
+def test_n_answers_are_n_requests_seeded_as_vllms_parallel_sampling_seeds_them():
+    loader = MediaLoader([], timeout_s=1, max_bytes=8)
+    sets = asyncio.run(model_inputs(request(n=3, seed=7, temperature=0.8), {}, loader))
+    assert [parse_front_request(s, Limits()).sampling.seed for s in sets] == [7, 8, 9]
+    unseeded = asyncio.run(model_inputs(request(n=2, temperature=0.8), {}, loader))
+    assert [parse_front_request(s, Limits()).sampling.seed for s in unseeded] == [None, None]
+    with pytest.raises(InvalidRequest, match="n must be 1 when using greedy sampling"):
+        asyncio.run(model_inputs(request(n=2, temperature=0), {}, loader))
+
+
+def test_several_answers_stream_each_under_its_index_and_count_the_prompt_once():
+    answer = ChatAnswer(id="chatcmpl-2", model="m", choices=[Choice(), Choice()], per_prompt=2)
+    roles = [json.loads(e.removeprefix("data: ")) for e in answer.opening()]
+    assert [r["choices"][0]["index"] for r in roles] == [0, 1]
+    answer.add(1, Delta("b", 1, "stop", 5))
+    answer.add(0, Delta("a", 2, "length", 5))
+    event = json.loads(answer.event(1, Delta("b", 1, "stop")).removeprefix("data: "))
+    assert event["choices"][0]["index"] == 1
+    whole = answer.response().model_dump()
+    assert [c["message"]["content"] for c in whole["choices"]] == ["a", "b"]
+    assert whole["usage"]["prompt_tokens"] == 5 and whole["usage"]["completion_tokens"] == 3
+
+
 def test_add_special_tokens_reaches_the_pipeline_off_by_default_as_in_vllm():
     loader = MediaLoader([], timeout_s=1, max_bytes=8)
     for fields, expected in (({}, False), ({"add_special_tokens": True}, True)):
-        inputs = asyncio.run(model_inputs(request(**fields), {}, loader))
+        (inputs,) = asyncio.run(model_inputs(request(**fields), {}, loader))
         assert parse_front_request(inputs, Limits()).add_special_tokens is expected
 
 
@@ -152,7 +175,7 @@ def test_media_urls():
 
 
 def test_answers_in_openai_shapes():
-    answer = ChatAnswer(id="chatcmpl-1", model="m")
+    answer = ChatAnswer(id="chatcmpl-1", model="m", choices=[Choice()])
     (role,) = answer.opening()
     role = json.loads(role.removeprefix("data: "))
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}

@@ -29,7 +29,6 @@ def request(**fields) -> CompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"n": 2}, "n: one answer"),
         ({"logprobs": 0}, "logprobs: log-probabilities are not returned"),
         ({"suffix": "end"}, "suffix: fill-in-the-middle"),
         ({"echo": True, "max_tokens": 0}, "max_tokens: echo without generation"),
@@ -69,6 +68,11 @@ def test_each_prompt_is_one_model_request_with_vllms_completions_defaults():
     assert not any(r.add_special_tokens for r in batch)
     (null,) = _front(model_inputs(request(max_tokens=None), {"max_tokens": 9}))
     assert null.sampling.max_tokens == 16  # vLLM reads null as the default too
+    pairs = _front(model_inputs(request(prompt=["a", "b"], n=2, seed=3, temperature=1), {}))
+    got = [(r.raw_prompt, r.sampling.seed) for r in pairs]
+    assert got == [("a", 3), ("a", 4), ("b", 3), ("b", 4)]  # index = prompt * n + answer
+    with pytest.raises(InvalidRequest, match="n must be 1 when using greedy sampling"):
+        model_inputs(request(n=2, temperature=0), {})
     with pytest.raises(InvalidRequest, match=r"prompt\[1\] is empty"):
         model_inputs(request(prompt=[[1], []]), {})
 
