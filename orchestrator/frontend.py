@@ -28,9 +28,7 @@ import numpy as np
 from orchestrator.config import Limits, Topology
 from orchestrator.encoder.preprocess import ImageTooLarge, open_image
 from orchestrator.llm import LLMRole, engine_args
-from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions, TooLarge
-
-Tensors = dict[str, np.ndarray]
+from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions, Tensors, TooLarge
 
 CHAT_ROLES = ("system", "user", "assistant")
 """Roles a ``messages`` turn may have (tool turns need tool calling, which is not served)."""

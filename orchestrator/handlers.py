@@ -41,6 +41,7 @@ from orchestrator.protocol import (
     PrefillResult,
     ReleaseRequest,
     StageError,
+    Tensors,
     Unauthenticated,
     from_tensor,
     to_tensor,
@@ -52,7 +53,6 @@ from orchestrator.triton.runner import ModelContext
 if TYPE_CHECKING:
     from orchestrator.families import ModelFamily
 
-Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
 
 ISSUED_REQUESTS_REMEMBERED = 1 << 12

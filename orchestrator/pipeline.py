@@ -49,6 +49,7 @@ from orchestrator.protocol import (
     SamplingOptions,
     StageError,
     StageUnreachable,
+    Tensors,
     Unavailable,
     from_tensor,
     to_tensor,
@@ -58,7 +59,6 @@ from orchestrator.router import HealthMonitor, ReuseIndex, StageRoute
 from orchestrator.stage_client import GrpcStageClient, StageClient
 from orchestrator.triton.runner import ModelContext
 
-Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 from orchestrator.config import describe
 from orchestrator.families.base import ImageLayout
 
+Tensors = dict[str, np.ndarray]
+"""A Triton model's inputs or outputs by name, as the stages and fronts pass them."""
+
 PROBE_PARAMETER = "epd-probe"
 """Triton request parameter of a health probe: the runner answers it (the handler's
 ``check_health`` when it has one); it never reaches ``generate``."""

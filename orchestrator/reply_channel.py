@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from orchestrator.protocol import StageError
+from orchestrator.protocol import StageError, Tensors
 
 if TYPE_CHECKING:
     from orchestrator.auth import DeploymentKey
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, np.ndarray]
 
 REPLY_PARAMETER = "epd-reply-to"
 """Triton request parameter: where the stage writes the call's responses."""

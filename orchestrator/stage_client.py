@@ -22,12 +22,11 @@ from orchestrator.protocol import (
     DeadlineExceeded,
     StageError,
     StageUnreachable,
+    Tensors,
     Unavailable,
     error_from_message,
 )
 from orchestrator.reply_channel import REPLY_PARAMETER, ReplyListener
-
-Tensors = dict[str, np.ndarray]
 
 _TRITON_DTYPES = {
     np.dtype(np.object_): "BYTES",

@@ -32,9 +32,7 @@ from orchestrator.openai_server.request import (
     parallel_samples,
     sampling,
 )
-from orchestrator.protocol import InvalidRequest
-
-Tensors = dict[str, np.ndarray]
+from orchestrator.protocol import InvalidRequest, Tensors
 
 SERVED_FIELDS = COMMON_FIELDS | {
     # the conversation and how it is rendered and tokenized

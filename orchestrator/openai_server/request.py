@@ -13,9 +13,7 @@ from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMError
 
 from orchestrator.config import describe
-from orchestrator.protocol import InvalidRequest, SamplingOptions
-
-Tensors = dict[str, np.ndarray]
+from orchestrator.protocol import InvalidRequest, SamplingOptions, Tensors
 
 GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 """Sampling defaults a checkpoint's ``generation_config.json`` sets, as vLLM reads them."""

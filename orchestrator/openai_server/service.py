@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
@@ -24,12 +23,11 @@ from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import generation_defaults
 from orchestrator.openai_server.tokens import Tokens
 from orchestrator.pipeline import EPDPipeline
-from orchestrator.protocol import DeadlineExceeded, StageError
+from orchestrator.protocol import DeadlineExceeded, StageError, Tensors
 from orchestrator.reply_channel import ReplyListener
 from orchestrator.stage_client import GrpcStageClient
 
 log = logging.getLogger(__name__)
-Tensors = dict[str, Any]
 
 
 class UnknownModel(LookupError):

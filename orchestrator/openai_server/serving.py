@@ -24,9 +24,7 @@ from orchestrator.context import RequestContext
 from orchestrator.frontend import Delta
 from orchestrator.openai_server.answer import Answer
 from orchestrator.openai_server.service import OpenAIService, UnknownModel
-from orchestrator.protocol import InvalidRequest, Overloaded, StageError, TooLarge
-
-Tensors = dict[str, Any]
+from orchestrator.protocol import InvalidRequest, Overloaded, StageError, Tensors, TooLarge
 
 _ERROR_TYPES = {
     400: "BadRequestError",

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from orchestrator import tracing
 from orchestrator.auth import MAC_PARAMETER, SECRET_ENV, DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.protocol import PROBE_PARAMETER, LastResponse, StageError, error_message
+from orchestrator.protocol import PROBE_PARAMETER, LastResponse, StageError, Tensors, error_message
 from orchestrator.reply_channel import (
     REPLY_PARAMETER,
     Reply,
@@ -40,8 +38,6 @@ from orchestrator.reply_channel import (
     encode_frame,
     parse_reply_to,
 )
-
-Tensors = dict[str, np.ndarray]
 
 
 class StageHandler(Protocol):
