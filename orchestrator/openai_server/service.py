@@ -134,16 +134,19 @@ class OpenAIService:
 
     async def tokens(self) -> Tokens:
         """The checkpoint's tokenizer and family (``/tokenize``, ``/detokenize``, and
-        ``echo`` of a token-id prompt), loaded off the loop on first use."""
+        ``echo`` of a token-id prompt), loaded off the loop on first use; the tokenizer is
+        ``epd``'s pipeline's own when this front runs one."""
         if self._tokens is None:
             from orchestrator.families import family_for
             from orchestrator.frontend import PromptBuilder
 
             model = self.topology.model
-            prompts, family = await asyncio.gather(
-                asyncio.to_thread(PromptBuilder, model, min(self.context.values())),
-                asyncio.to_thread(family_for, model),
-            )
+            family = await asyncio.to_thread(family_for, model)
+            if self.pipeline is not None:
+                prompts = self.pipeline.prompts
+            else:
+                context = min(self.context.values())
+                prompts = await asyncio.to_thread(PromptBuilder, model, context)
             self._tokens = Tokens(prompts, family, self.media, self.limits.max_image_pixels)
         return self._tokens
 
