@@ -187,11 +187,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
             )
         messages = [user_turn(text, len(items))]
 
-    if len(items) > limits.max_images_per_request:
-        raise TooLarge(
-            f"{len(items)} images sent; this deployment accepts at most "
-            f"{limits.max_images_per_request} per request"
-        )
+    check_image_count(len(items), limits)
     images: list[bytes] = []
     total = text_bytes
     for i, item in enumerate(items):
@@ -226,6 +222,15 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         _flag(inputs, "add_special_tokens", default=raw_prompt is not None),
         raw_prompt,
     )
+
+
+def check_image_count(count: int, limits: Limits) -> None:
+    """``TooLarge`` past the deployment's images per request."""
+    if count > limits.max_images_per_request:
+        raise TooLarge(
+            f"{count} images sent; this deployment accepts at most "
+            f"{limits.max_images_per_request} per request"
+        )
 
 
 def parse_raw_prompt(inputs: Tensors, limits: Limits) -> tuple[RawPrompt, int]:

@@ -147,7 +147,7 @@ class OpenAIService:
             else:
                 context = min(self.context.values())
                 prompts = await asyncio.to_thread(PromptBuilder, model, context)
-            self._tokens = Tokens(prompts, family, self.media, self.limits.max_image_pixels)
+            self._tokens = Tokens(prompts, family, self.media, self.limits)
         return self._tokens
 
     def model_for(self, name: str | None) -> str:

@@ -6,6 +6,7 @@ text. Nothing here calls a model: the checkpoint's tokenizer and family answer."
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +18,14 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeResponse,
 )
 
+from orchestrator.config import Limits
 from orchestrator.encoder.preprocess import open_image
 from orchestrator.families.base import ModelFamily
-from orchestrator.frontend import PromptBuilder, bad_image
+from orchestrator.frontend import PromptBuilder, bad_image, check_image_count, parse_messages
 from orchestrator.openai_server.chat import conversation
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import check_supported, parse_request
-from orchestrator.protocol import InvalidRequest
+from orchestrator.protocol import InvalidRequest, TooLarge
 
 SERVED_FIELDS = frozenset(
     {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
@@ -35,12 +37,13 @@ SERVED_FIELDS = frozenset(
 @dataclass
 class Tokens:
     """What the two routes need: the tokenizer (with the chat template), the family (how
-    many tokens an image takes, and its placeholder), the media loader, the image limit."""
+    many tokens an image takes, and its placeholder), the media loader, and the limits a
+    request to the models is held to (a tokenize request is held to the same)."""
 
     prompts: PromptBuilder
     family: ModelFamily
     media: MediaLoader
-    max_image_pixels: int
+    limits: Limits
 
     async def tokenize(self, body: Any) -> tuple[Any, list[int]]:
         """The request (vLLM's chat or prompt form) and its token ids."""
@@ -60,6 +63,9 @@ class Tokens:
             return chat, await self._chat_ids(chat)
         request = parse_request(TokenizeCompletionRequest, body)
         check_supported(request, SERVED_FIELDS, {})
+        size, limit = len(request.prompt.encode()), self.limits.max_text_bytes
+        if size > limit:
+            raise TooLarge(f"prompt is {size} bytes; the limit is {limit}")
         ids = await asyncio.to_thread(
             self.prompts.tokenize, request.prompt, request.add_special_tokens
         )
@@ -67,12 +73,15 @@ class Tokens:
 
     async def _chat_ids(self, request: Any) -> list[int]:
         chat = conversation(request)
+        # the models' own checks of a chat: turns, text size, images per request
+        parse_messages(json.dumps(chat.messages).encode(), self.limits)
+        check_image_count(len(chat.image_urls), self.limits)
         tokens = []
         for i, url in enumerate(chat.image_urls):
             which = f"image {i + 1} of {len(chat.image_urls)}"
             data = await self.media.load(url, which)
             try:
-                size = open_image(data, self.max_image_pixels).size
+                size = open_image(data, self.limits.max_image_pixels).size
                 tokens.append(self.family.image_layout(*size).tokens)
             except ValueError as exc:
                 raise bad_image(which, exc) from None

@@ -535,6 +535,13 @@ def test_tokenize_errors_have_the_right_status_and_say_what_is_wrong(stack):
             400,
             "chat_template_kwargs: not supported",
         ),
+        ("tokenize", {"prompt": "x" * (1 << 20 | 1)}, 413, "the limit is 1048576"),
+        (
+            "tokenize",
+            {"messages": [{"role": "user", "content": [image_part(PHOTO)] * 3}]},
+            413,
+            "3 images sent",
+        ),
         ("detokenize", {"tokens": [1 << 30]}, 400, "out of the vocabulary"),
         ("detokenize", {"model": "gpt-4o", "tokens": [1]}, 404, "does not exist"),
     ]:
