@@ -27,7 +27,10 @@ LOOPBACK = "127.0.0.1"
 
 def describe(exc: ValidationError) -> str:
     """A pydantic error as one line a user can act on: ``field.path: what is wrong; ...``."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
 
 
 class _Spec(BaseModel):
@@ -188,7 +191,8 @@ class Limits(_Spec):
     """Decoded size cap of one image (width x height from its header, checked at the edge
     and again by the encoder before decoding): decompression bombs stop here."""
     max_text_bytes: int = Field(default=1 << 20, gt=0)
-    """Size cap of ``text_input``, or of all text in ``messages`` (UTF-8 bytes)."""
+    """Size cap of ``text_input``, or of all text in ``messages`` (UTF-8 bytes), and of
+    ``sampling_parameters`` (stop strings, a grammar or JSON schema to compile)."""
     max_messages: int = Field(default=256, ge=1)
     """Most turns in one ``messages`` conversation."""
     max_request_bytes: int = Field(default=64 << 20, gt=0)

@@ -188,8 +188,15 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         messages = [user_turn(text, len(items))]
 
     check_image_count(len(items), limits)
+    raw_sampling = _scalar_bytes(inputs, "sampling_parameters")
+    if raw_sampling is not None and len(raw_sampling) > limits.max_text_bytes:
+        # user text too: stop strings, bad words, a grammar or JSON schema to compile
+        raise TooLarge(
+            f"sampling_parameters is {len(raw_sampling)} bytes; the limit is "
+            f"{limits.max_text_bytes}"
+        )
     images: list[bytes] = []
-    total = text_bytes
+    total = text_bytes + len(raw_sampling or b"")
     for i, item in enumerate(items):
         which = f"image {i + 1} of {len(items)}"
         data = item if isinstance(item, bytes) else str(item).encode()
@@ -209,7 +216,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
             raise bad_image(which, exc) from None
         images.append(data)
 
-    sampling = SamplingOptions.parse(_scalar_bytes(inputs, "sampling_parameters"))
+    sampling = SamplingOptions.parse(raw_sampling)
     outputs = ExtraOutputs(
         *(_flag(inputs, f"return_{name}") for name in ExtraOutputs.__dataclass_fields__)
     )

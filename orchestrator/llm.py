@@ -98,11 +98,13 @@ def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):
     refuses is ``InvalidRequest`` with its message."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMClientError
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     kwargs: dict[str, Any] = {**opts.vllm_kwargs(), "output_kind": RequestOutputKind.DELTA}
     kwargs.update(overrides)
     try:
+        if kwargs.get("structured_outputs") is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         return SamplingParams(**kwargs)
     except (ValueError, VLLMClientError) as exc:
         raise InvalidRequest(f"invalid sampling_parameters: {exc}") from None

@@ -11,7 +11,15 @@ import json
 from typing import Annotated, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.config import describe
 from orchestrator.families.base import ImageLayout
@@ -139,6 +147,49 @@ class PrefillResult(_Wire):
     families whose decode cannot be given images as metadata (LLaVA)."""
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The constraints of vLLM's ``StructuredOutputsParams``, of which a request sets one."""
+
+
+class StructuredOutputs(_Wire):
+    """vLLM's ``StructuredOutputsParams`` under the same names: one constraint the answer
+    follows (guided decoding), and how strictly. The engine that samples the answer
+    compiles it (xgrammar, or guidance for what xgrammar lacks) and refuses one it cannot
+    compile with vLLM's message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+
+    json_schema: str | dict | None = Field(default=None, alias="json")
+    """A JSON schema the answer validates against (an object, or its text)."""
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    """The answer is one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar the answer is a sentence of."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's ``response_format: json_object``)."""
+    structural_tag: str | None = None
+    """vLLM's structural tag (JSON text): free text with constrained regions."""
+    disable_any_whitespace: bool = False
+    """Passed on as vLLM takes it (vLLM 0.32's backends read the engine's setting instead)."""
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        dumped = self.vllm_kwargs()
+        kinds = ", ".join(k for k in STRUCTURED_KINDS if dumped[k] is not None)
+        if not kinds or "," in kinds:
+            raise ValueError(
+                f"set exactly one of {', '.join(STRUCTURED_KINDS)} (got {kinds or 'none'})"
+            )
+        return self
+
+    def vllm_kwargs(self) -> dict:
+        """Keyword arguments of vLLM's ``StructuredOutputsParams``."""
+        return self.model_dump()
+
+
 class SamplingOptions(_Wire):
     """User-facing sampling parameters (the ``sampling_parameters`` JSON input): vLLM's
     ``SamplingParams`` fields that apply to one streamed text answer, under the same names
@@ -171,11 +222,26 @@ class SamplingOptions(_Wire):
     bad_words: list[str] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    """Guided decoding: the constraint the answer follows. An object, or its JSON text
+    (what Triton's vllm_backend reads); ``guided_decoding``, vllm_backend's older name, is
+    taken too."""
     n: Literal[1] = 1
     """One answer per request: ``text_output`` streams a single sequence."""
 
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured_from_text(cls, value: object) -> object:
+        if isinstance(value, str | bytes):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+        return value
+
     def vllm_kwargs(self) -> dict:
-        """Keyword arguments of vLLM's ``SamplingParams`` for these options."""
+        """Keyword arguments of vLLM's ``SamplingParams`` for these options (the structured
+        output constraint as ``StructuredOutputsParams``' own keyword arguments)."""
         kwargs = self.model_dump(exclude={"n"})
         kwargs["top_k"] = max(self.top_k, 0)
         kwargs["stop"] = self.stop or None
@@ -195,6 +261,12 @@ class SamplingOptions(_Wire):
             raise InvalidRequest("sampling_parameters must be a JSON object")
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
+        if "guided_decoding" in data:
+            if data.get("structured_outputs") is not None:
+                raise InvalidRequest(
+                    "sampling_parameters: send structured_outputs or guided_decoding, not both"
+                )
+            data["structured_outputs"] = data.pop("guided_decoding")
         for name, why in _UNSUPPORTED_SAMPLING.items():
             if data.get(name) not in (None, 0, False):
                 raise InvalidRequest(f"sampling_parameters.{name} is not supported: {why}")
@@ -207,7 +279,6 @@ class SamplingOptions(_Wire):
 _UNSUPPORTED_SAMPLING = {
     "logprobs": "text_output carries text only",
     "prompt_logprobs": "text_output carries text only",
-    "structured_outputs": "guided decoding is not enabled in this deployment",
     "best_of": "one answer per request",
 }
 

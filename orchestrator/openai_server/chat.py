@@ -2,8 +2,8 @@
 model's per-step outputs back into OpenAI chat answers (whole, or as stream chunks).
 
 What the engines cannot do is refused with a 400 naming the field, never ignored: tool
-calling, log-probabilities, beam search, structured output. ``n`` answers are ``n``
-requests, as vLLM's parallel sampling makes them.
+calling, log-probabilities, beam search. ``n`` answers are ``n`` requests, as vLLM's
+parallel sampling makes them; ``response_format`` is guided decoding in the engine.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ endpoint sends it: text (tokenized with the tokenizer's special tokens unless
 ``add_special_tokens`` is false) or token ids, one prompt or a list of them, each its own
 choice (``index``), or ``n`` choices each. What the engines cannot do is refused
 with a 400 naming the field: log-probabilities, ``suffix``, prompt embeddings, beam
-search, structured output.
+search.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ this server does not act on is refused by name, never silently dropped."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ COMMON_FIELDS = frozenset(
         "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
         "allowed_token_ids", "bad_words", "skip_special_tokens", "spaces_between_special_tokens",
+        "response_format", "structured_outputs",
         # what vllm serve does not act on either
         "user",
     }
@@ -77,17 +79,11 @@ def check_supported(request: Any, served: frozenset[str], refusals: dict[str, An
 
 
 def common_refusals(request: Any) -> dict[str, Any]:
-    """What neither endpoint serves, by field: beam search, structured output,
-    log-probabilities of the prompt."""
+    """What neither endpoint serves, by field: beam search, log-probabilities of the
+    prompt."""
     return {
         "prompt_logprobs": request.prompt_logprobs is not None and "not returned",
         "use_beam_search": request.use_beam_search and "beam search is not served here",
-        "response_format": (
-            request.response_format is not None
-            and request.response_format.type != "text"
-            and "structured output is not enabled in this deployment"
-        ),
-        "structured_outputs": request.structured_outputs is not None and "not enabled here",
     }
 
 
@@ -99,9 +95,14 @@ def sampling(request: Any, asked: int | None, defaults: dict[str, Any]) -> Sampl
         params = request.to_sampling_params(asked or 1 << 20, defaults)
     except (ValueError, VLLMError) as exc:  # vLLM's validation errors
         raise InvalidRequest(str(exc)) from None
-    fields = set(SamplingOptions.model_fields) - {"n", "max_tokens"}
+    fields = set(SamplingOptions.model_fields) - {"n", "max_tokens", "structured_outputs"}
     options = {name: getattr(params, name) for name in fields}
     options["stop"] = list(params.stop or [])
+    # response_format or structured_outputs, as vLLM read them into one constraint
+    if (constraint := params.structured_outputs) is not None:
+        options["structured_outputs"] = {
+            f.name: getattr(constraint, f.name) for f in dataclasses.fields(constraint) if f.init
+        }
     options["stop_token_ids"] = list(request.stop_token_ids or [])
     try:
         return SamplingOptions.model_validate({**options, "max_tokens": asked})

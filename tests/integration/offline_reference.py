@@ -1,4 +1,5 @@
-"""Greedy outputs of plain offline ``vllm.LLM.chat`` for the e2e cases (the ground truth).
+"""Greedy outputs of plain offline ``vllm.LLM.chat`` for the e2e cases (the ground truth),
+guided by a case's ``structured_outputs`` constraint where it has one.
 
 vLLM's own chat path -- its rendering of the checkpoint's chat template and its tokenization
 of the result (no special tokens added on top of the template's, as ``vllm serve``'s chat
@@ -25,6 +26,7 @@ def main() -> None:
     server = next(iter(topology.servers_of("aggregated")))
     os.environ.update(engine_env(topology, server, "aggregated"))
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     llm = LLM(**engine_args(topology, server, "aggregated"))
     chats, params = [], []
@@ -33,7 +35,14 @@ def main() -> None:
         parts = [{"type": "image_pil", "image_pil": image} for image in images]
         parts.append({"type": "text", "text": case["text"]})  # text_input's shape
         chats.append([{"role": "user", "content": parts}])
-        params.append(SamplingParams(max_tokens=case["max_tokens"], temperature=0.0))
+        constraint = case.get("structured_outputs")
+        params.append(
+            SamplingParams(
+                max_tokens=case["max_tokens"],
+                temperature=0.0,
+                structured_outputs=constraint and StructuredOutputsParams(**constraint),
+            )
+        )
     outputs = llm.chat(chats, params, use_tqdm=False)
     texts = {name: out.outputs[0].text for name, out in zip(cases, outputs, strict=True)}
     print("REFERENCE " + json.dumps(texts), flush=True)

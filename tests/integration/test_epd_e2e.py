@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -45,11 +46,58 @@ CASES = {
 }
 
 
+STRUCTURED_MAX_TOKENS = 64
+"""Room for a guided answer to end on its own (byte-level tokens on the tiny model)."""
+
+ANIMAL = {
+    "type": "object",
+    "properties": {"animal": {"enum": ["cat", "dog", "bird"]}, "alone": {"type": "boolean"}},
+    "required": ["animal", "alone"],
+    "additionalProperties": False,
+}
+STRUCTURED = {
+    "choice_photo": (
+        "What animal is this?",
+        [sample_photo("chelsea")],
+        {"choice": ["a cat", "a dog", "an astronaut", "a cup of coffee"]},
+    ),
+    "regex_text": (
+        "Tell me a story about a robot.",
+        [],
+        {"regex": "[A-Z][a-z]{2,6}( [a-z]{2,6}){2,4}\\."},
+    ),
+    "json_two_images": (
+        "Compare these two pictures.",
+        [sample_photo("astronaut"), _png("coffee")],
+        {"json": ANIMAL},
+    ),
+}
+"""Guided decoding cases: (text, images, vLLM ``StructuredOutputsParams`` fields)."""
+
+
+def follows(constraint: dict, text: str) -> bool:
+    """Whether ``text`` is a whole answer ``constraint`` allows."""
+    if "choice" in constraint:
+        return text in constraint["choice"]
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return False
+    return set(answer) == {"animal", "alone"} and answer["animal"] in ("cat", "dog", "bird")
+
+
 def offline_reference(
-    topology: Topology, cases: dict[str, tuple[str, list[bytes]]], max_tokens: int, tmp: Path
+    topology: Topology,
+    cases: dict[str, tuple[str, list[bytes]]],
+    max_tokens: int,
+    tmp: Path,
+    structured: dict[str, tuple[str, list[bytes], dict]] | None = None,
 ) -> dict[str, str]:
-    """Offline ``vllm.LLM.chat`` texts for ``cases``, computed in a subprocess (vLLM and
-    NIXL are not fork-safe and heavy in the pytest process)."""
+    """Offline ``vllm.LLM.chat`` texts for ``cases`` (and the guided ``structured`` ones),
+    computed in a subprocess (vLLM and NIXL are not fork-safe and heavy in the pytest
+    process)."""
     (tmp / "topology.json").write_text(topology.model_dump_json())
     payload = {
         name: {
@@ -59,6 +107,13 @@ def offline_reference(
         }
         for name, (text, images) in cases.items()
     }
+    for name, (text, images, constraint) in (structured or {}).items():
+        payload[name] = {
+            "text": text,
+            "images": [base64.b64encode(i).decode() for i in images],
+            "max_tokens": STRUCTURED_MAX_TOKENS,
+            "structured_outputs": constraint,
+        }
     (tmp / "cases.json").write_text(json.dumps(payload))
     proc = subprocess.run(
         [
@@ -83,7 +138,8 @@ def offline_reference(
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Offline ``vllm.LLM.chat`` texts for every case (once for both layouts)."""
     topology = local_topology(tiny_model, EPD_LAYOUT)
-    return offline_reference(topology, CASES, MAX_TOKENS, tmp_path_factory.mktemp("reference"))
+    tmp = tmp_path_factory.mktemp("reference")
+    return offline_reference(topology, CASES, MAX_TOKENS, tmp, STRUCTURED)
 
 
 def _front(topology: Topology):
@@ -171,6 +227,24 @@ def test_reference_is_not_trivial(reference):
     assert len(set(reference.values())) == len(reference)
 
 
+@pytest.mark.parametrize("case", list(STRUCTURED))
+@pytest.mark.parametrize("model", ["epd", "aggregated"])
+def test_guided_decoding_matches_offline_vllm(epd_stack, reference, model, case):
+    """``structured_outputs`` (choice, regex, JSON schema; photos, text, two images) as
+    Triton's vllm_backend takes it (the constraint as JSON text): the engine that samples
+    the answer (pd, or decode after prefill) follows it, token for token as offline vLLM
+    guided by the same constraint; the reference itself follows it and is not what the
+    model says unguided, so the constraint really steers."""
+    text, images, constraint = STRUCTURED[case]
+    assert follows(constraint, reference[case]), reference[case]
+    sampling = {"max_tokens": STRUCTURED_MAX_TOKENS, "temperature": 0}
+    unguided = "".join(stream(_front(epd_stack).grpc_url, model, text, images, sampling))
+    assert not follows(constraint, unguided), unguided
+    sampling["structured_outputs"] = json.dumps(constraint)
+    pieces = stream(_front(epd_stack).grpc_url, model, text, images, sampling)
+    assert "".join(pieces) == reference[case]
+
+
 def _raw_generate(topology: Topology, model: str, body: dict) -> tuple[int, str]:
     request = urllib.request.Request(
         f"http://{_front(topology).http_url}/v2/models/{model}/generate",
@@ -243,6 +317,22 @@ BAD_INPUTS = {
     "too_many_images": (
         {"image": [base64.b64encode(_JPEG).decode()] * 3},
         "TOO_LARGE: 3 images sent",
+    ),
+    "two_constraints": (
+        {
+            "sampling_parameters": json.dumps(
+                {"structured_outputs": {"regex": "a", "choice": ["b"]}}
+            )
+        },
+        "structured_outputs: set exactly one of json, regex, choice",
+    ),
+    "constraint_the_engine_cannot_compile": (
+        {"sampling_parameters": json.dumps({"structured_outputs": {"regex": "[0-9"}})},
+        "invalid regex",
+    ),
+    "sampling_parameters_too_long": (
+        {"sampling_parameters": json.dumps({"structured_outputs": {"regex": "a" * (1 << 20)}})},
+        "TOO_LARGE: sampling_parameters is 1048613 bytes",
     ),
 }
 

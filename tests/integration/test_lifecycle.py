@@ -451,6 +451,23 @@ def test_decode_refuses_a_request_abandoned_before_it_arrived(stack):
     wait_idle(stack)
 
 
+def test_a_constraint_decode_cannot_compile_frees_prefills_kv_at_once(stack):
+    """vLLM compiles a guided request's constraint in the engine that samples the answer:
+    on E/P/D that is decode, after prefill computed the prompt and holds its KV for decode.
+    Decode's refusal is the client's INVALID_ARG, and prefill's KV is freed at once (the
+    front's abandon), not at the end of vLLM's 30 s KV lease."""
+    guided = {"max_tokens": 16, "structured_outputs": {"regex": "[0-9"}}
+    for _ in range(4):  # both prefills, twice
+        inputs = request_inputs("Describe this image.", [PHOTO], guided, True)
+        text, error = _call(stack, inputs)
+        assert text is None and error, (text, error)
+        assert error.startswith("INVALID_ARG: ") and "invalid regex" in error, error
+    wait_idle(stack, timeout_s=5)
+    guided["structured_outputs"] = {"choice": ["a photo", "a drawing"]}
+    text, error = _call(stack, request_inputs("Describe this image.", [PHOTO], guided, True))
+    assert error is None and text in ("a photo", "a drawing"), (text, error)
+
+
 def _signed(handle: EmbeddingHandle, **changes) -> EmbeddingHandle:
     from orchestrator.auth import DeploymentKey
 

@@ -3,9 +3,12 @@ sampling parameters taken at the edge."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 import pytest
+from vllm.sampling_params import StructuredOutputsParams
 
 from orchestrator.context import RequestContext
 from orchestrator.protocol import (
@@ -78,9 +81,52 @@ def test_sampling_takes_vllms_fields_and_refuses_what_it_cannot_answer():
         ('{"n": 2}', "n"),
         ('{"logprobs": 5}', "logprobs is not supported"),
         ('{"best_of": 3}', "best_of is not supported"),
-        ('{"structured_outputs": {"json": {}}}', "structured_outputs is not supported"),
         ('{"temprature": 1}', "temprature"),
         ('{"presence_penalty": 9}', "presence_penalty"),
     ):
         with pytest.raises(InvalidRequest, match=expected):
             SamplingOptions.parse(raw)
+
+
+def test_structured_outputs_are_vllms_constraints_in_vllm_backends_shapes():
+    """One constraint of vLLM's ``StructuredOutputsParams``, as an object or as JSON text
+    (what Triton's vllm_backend reads), or under vllm_backend's older name; it survives the
+    wire between stages and reaches vLLM under vLLM's own field names."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for raw in (
+        {"structured_outputs": {"json": schema}},
+        {"structured_outputs": json.dumps({"json": schema})},
+        {"guided_decoding": {"json": schema}},
+    ):
+        opts = SamplingOptions.parse(json.dumps(raw))
+        assert SamplingOptions.parse(opts.model_dump_json()) == opts
+        constraint = opts.vllm_kwargs()["structured_outputs"]
+        assert constraint["json"] == schema and constraint["regex"] is None
+        assert set(constraint) == {
+            f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init
+        }
+    assert SamplingOptions.parse("{}").vllm_kwargs()["structured_outputs"] is None
+    for raw, expected in (
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "exactly one of .*got regex, choice",
+        ),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "exactly one of .*got none"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "backend": "outlines"}}, "backend"),
+        ({"structured_outputs": "{regex"}, "structured_outputs: not valid JSON"),
+        (
+            {"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}},
+            "structured_outputs or guided_decoding, not both",
+        ),
+    ):
+        with pytest.raises(InvalidRequest, match=expected):
+            SamplingOptions.parse(json.dumps(raw))
+
+
+def test_the_engine_gets_the_constraint_as_vllms_own_params():
+    from orchestrator.llm import to_vllm_sampling
+
+    params = to_vllm_sampling(SamplingOptions.parse('{"structured_outputs": {"choice": ["x"]}}'))
+    assert params.structured_outputs == StructuredOutputsParams(choice=["x"])
+    assert to_vllm_sampling(SamplingOptions()).structured_outputs is None

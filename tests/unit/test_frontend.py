@@ -68,8 +68,18 @@ LIMITS = Limits(
             _inputs(images=[_noise_png(32), b"\x89PNG" + bytes(2500)]),
             "request is over 5000 bytes at image 2 of 2",
         ),
+        (
+            {
+                **_inputs(),
+                "sampling_parameters": np.array(
+                    [json.dumps({"structured_outputs": {"regex": "a" * 80}}).encode()],
+                    dtype=np.object_,
+                ),
+            },
+            "sampling_parameters is 117 bytes; the limit is 100",
+        ),
     ],
-    ids=["text", "count", "empty", "bytes", "pixels", "format", "total"],
+    ids=["text", "count", "empty", "bytes", "pixels", "format", "total", "sampling"],
 )
 def test_limits_name_the_input(inputs, message):
     with pytest.raises(InvalidRequest, match=message):

@@ -15,6 +15,7 @@ from orchestrator.frontend import Delta, parse_front_request
 from orchestrator.openai_server.answer import Choice
 from orchestrator.openai_server.chat import ChatAnswer, check_chat, conversation, model_inputs
 from orchestrator.openai_server.media import MediaLoader
+from orchestrator.openai_server.request import parse_request
 from orchestrator.protocol import InvalidRequest, TooLarge
 
 
@@ -29,7 +30,6 @@ def request(**fields) -> ChatCompletionRequest:
         ({"logprobs": True}, "logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tool calling"),
         ({"use_beam_search": True}, "beam search"),
-        ({"response_format": {"type": "json_object"}}, "structured output"),
         ({"chat_template": "{{ 1 }}"}, "the model's own template"),
     ],
 )
@@ -122,6 +122,26 @@ def test_sampling_is_vllms_reading_with_the_checkpoints_defaults():
     assert sampling(request(), {"max_tokens": 9}).max_tokens == 9  # generation_config's
     with pytest.raises(InvalidRequest, match="max_tokens"):
         sampling(request(max_tokens=-5), {})
+
+
+def test_response_format_and_structured_outputs_are_vllms_reading_of_them():
+    """The constraint the engine gets is the one vLLM's own request reads from the
+    ``response_format`` or ``structured_outputs`` fields."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    cases = [
+        ({"response_format": json_schema}, "json", schema),
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+    ]
+    for fields, kind, value in cases:
+        constraint = sampling(request(**fields), {}).structured_outputs
+        assert constraint is not None and constraint.vllm_kwargs()[kind] == value, fields
+    assert sampling(request(response_format={"type": "text"}), {}).structured_outputs is None
+    both = {"model": "m", "messages": [], "structured_outputs": {"regex": "a", "choice": ["b"]}}
+    with pytest.raises(InvalidRequest, match="only use one kind"):
+        parse_request(ChatCompletionRequest, both)
 
 
 def test_n_answers_are_n_requests_seeded_as_vllms_parallel_sampling_seeds_them():

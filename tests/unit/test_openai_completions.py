@@ -34,7 +34,6 @@ def request(**fields) -> CompletionRequest:
         ({"echo": True, "max_tokens": 0}, "max_tokens: echo without generation"),
         ({"use_beam_search": True}, "beam search"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "structured output"),
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens: not supported"),
         ({"cache_salt": "tenant-a"}, "cache_salt: not supported"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
