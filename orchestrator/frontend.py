@@ -3,8 +3,9 @@
 Inputs follow Triton's vllm_backend conventions: ``text_input`` BYTES [1], ``image`` BYTES
 [-1] (encoded images, raw or base64), ``sampling_parameters`` BYTES [1] (JSON), ``stream``
 BOOL [1], and the optional outputs it offers (``return_finish_reason``,
-``return_num_input_tokens``, ``return_num_output_tokens`` BOOL [1] ask for
-``finish_reason``, ``num_input_tokens``, ``num_output_tokens``); output ``text_output``
+``return_num_input_tokens``, ``return_num_output_tokens``, ``return_logprobs`` BOOL [1] ask
+for ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``, ``logprobs``: JSON, per
+token the candidates ``sampling_parameters.logprobs`` asks for); output ``text_output``
 BYTES [1]. Instead of ``text_input`` a request may send ``messages`` BYTES [1]: a chat as
 JSON (roles and content parts, ``{"type": "image"}`` where each ``image`` goes), which is
 what the OpenAI chat API sends; or a prompt used as it is, without the chat template (what
@@ -41,10 +42,13 @@ class ExtraOutputs:
     finish_reason: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    logprobs: bool = False
 
     @classmethod
-    def every(cls) -> ExtraOutputs:
-        return cls(True, True, True)
+    def every(cls, logprobs: bool) -> ExtraOutputs:
+        """What a stage answers its caller: all of them, ``logprobs`` only when the request's
+        sampling asks vLLM for them (a response less per token to carry otherwise)."""
+        return cls(True, True, True, logprobs)
 
 
 RawPrompt = str | list[int]
@@ -395,6 +399,21 @@ class PromptBuilder:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One candidate token at one step of the answer (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None
+    """Its rank in the vocabulary at that step (1: the likeliest)."""
+    decoded_token: str | None
+
+
+StepLogprobs = dict[int, TokenLogprob]
+"""One step's candidates by token id, in vLLM's order: the sampled token first, then the
+likeliest ``logprobs`` tokens (the sampled one not twice)."""
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one step of generation adds: text, how many tokens it took, and how the
     answer ended once it has."""
@@ -403,6 +422,8 @@ class Delta:
     num_output_tokens: int
     finish_reason: str | None = None
     num_input_tokens: int | None = None
+    logprobs: list[StepLogprobs] | None = None
+    """One entry per token of the step, when the request asked for log-probabilities."""
 
 
 async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
@@ -410,16 +431,43 @@ async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
     async for out in outputs:
         answer = out.outputs[0]
         prompt = out.prompt_token_ids
+        steps = None
+        if answer.logprobs is not None:
+            steps = [
+                {t: TokenLogprob(p.logprob, p.rank, p.decoded_token) for t, p in step.items()}
+                for step in answer.logprobs
+            ]
         yield Delta(
             answer.text,
             len(answer.token_ids),
             answer.finish_reason,
             len(prompt) if prompt is not None else None,
+            steps,
         )
 
 
-DELTA_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
-"""A response of ``delta_tensors`` with every output (what ``tensors_delta`` reads)."""
+DELTA_OUTPUTS = [
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"
+]  # fmt: skip
+"""A response of ``delta_tensors`` with every output (what ``tensors_delta`` reads);
+``logprobs`` only where the request asked for them."""
+
+
+def _logprobs_json(steps: list[StepLogprobs] | None) -> bytes:
+    """vllm_backend's ``logprobs`` output: per token ``{token id: {logprob, rank,
+    decoded_token}}``, ``null`` when the request's sampling asked for none."""
+    if steps is None:
+        return b"null"
+    return json.dumps(
+        [{str(t): vars(p) for t, p in step.items()} for step in steps], ensure_ascii=False
+    ).encode()
+
+
+def _steps_of(raw: bytes) -> list[StepLogprobs] | None:
+    steps = json.loads(raw)
+    if steps is None:
+        return None
+    return [{int(t): TokenLogprob(**p) for t, p in step.items()} for step in steps]
 
 
 def delta_tensors(delta: Delta, outputs: ExtraOutputs) -> Tensors:
@@ -432,17 +480,21 @@ def delta_tensors(delta: Delta, outputs: ExtraOutputs) -> Tensors:
         tensors["num_input_tokens"] = np.array([delta.num_input_tokens or 0], dtype=np.uint32)
     if outputs.num_output_tokens:
         tensors["num_output_tokens"] = np.array([delta.num_output_tokens], dtype=np.uint32)
+    if outputs.logprobs:
+        tensors["logprobs"] = np.array([_logprobs_json(delta.logprobs)], dtype=np.object_)
     return tensors
 
 
 def tensors_delta(tensors: Tensors) -> Delta:
     """The ``Delta`` of a response made by ``delta_tensors`` with every output."""
     reason = tensors["finish_reason"].reshape(-1)[0].decode()
+    logprobs = tensors.get("logprobs")
     return Delta(
         text=tensors["text_output"].reshape(-1)[0].decode("utf-8"),
         num_output_tokens=int(tensors["num_output_tokens"].reshape(-1)[0]),
         finish_reason=None if reason == "None" else reason,
         num_input_tokens=int(tensors["num_input_tokens"].reshape(-1)[0]),
+        logprobs=None if logprobs is None else _steps_of(logprobs.reshape(-1)[0]),
     )
 
 
@@ -453,16 +505,21 @@ async def completion_responses(
     counts are per response, as vllm_backend's); else one response with the whole answer."""
     text: list[str] = []
     tokens, prompt, reason = 0, None, None
+    steps: list[StepLogprobs] | None = None  # of the tokens not sent yet
     async for delta in deltas:
         tokens += delta.num_output_tokens
         prompt = prompt if delta.num_input_tokens is None else delta.num_input_tokens
         reason = delta.finish_reason
+        if delta.logprobs is not None:
+            steps = (steps or []) + delta.logprobs
         if not stream:
             text.append(delta.text)
         elif reason is not None:  # vLLM's output that finishes the request is its last
-            yield LastResponse(delta_tensors(Delta(delta.text, tokens, reason, prompt), outputs))
+            last = Delta(delta.text, tokens, reason, prompt, steps)
+            yield LastResponse(delta_tensors(last, outputs))
         elif delta.text:
-            yield delta_tensors(Delta(delta.text, tokens, reason, prompt), outputs)
-            tokens = 0
+            yield delta_tensors(Delta(delta.text, tokens, reason, prompt, steps), outputs)
+            tokens, steps = 0, None if steps is None else []
     if not stream:
-        yield LastResponse(delta_tensors(Delta("".join(text), tokens, reason, prompt), outputs))
+        whole = Delta("".join(text), tokens, reason, prompt, steps)
+        yield LastResponse(delta_tensors(whole, outputs))

@@ -194,8 +194,8 @@ class SamplingOptions(_Wire):
     """User-facing sampling parameters (the ``sampling_parameters`` JSON input): vLLM's
     ``SamplingParams`` fields that apply to one streamed text answer, under the same names
     (as Triton's vllm_backend takes them). Fields that would need another output shape
-    (``n`` > 1, log-probabilities) are refused with a message, never ignored; vLLM checks
-    the combination again when the engine gets the request."""
+    (``n`` > 1, the prompt's log-probabilities) are refused with a message, never ignored;
+    vLLM checks the combination again when the engine gets the request."""
 
     max_tokens: int | None = Field(default=16, gt=0)
     """``None``: as many as the model's context leaves after the prompt (what vLLM's
@@ -222,6 +222,10 @@ class SamplingOptions(_Wire):
     bad_words: list[str] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logprobs: int | None = Field(default=None, ge=-1)
+    """Log-probabilities of each answer token and of the likeliest this many others (-1:
+    the whole vocabulary), in the ``logprobs`` output (``return_logprobs``); the engine's
+    ``max_logprobs`` bounds it (vLLM's default: 20)."""
     structured_outputs: StructuredOutputs | None = None
     """Guided decoding: the constraint the answer follows. An object, or its JSON text
     (what Triton's vllm_backend reads); ``guided_decoding``, vllm_backend's older name, is
@@ -277,8 +281,7 @@ class SamplingOptions(_Wire):
 
 
 _UNSUPPORTED_SAMPLING = {
-    "logprobs": "text_output carries text only",
-    "prompt_logprobs": "text_output carries text only",
+    "prompt_logprobs": "the prompt's log-probabilities are not returned",
     "best_of": "one answer per request",
 }
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-from orchestrator.frontend import Delta
+from orchestrator.frontend import Delta, StepLogprobs
 
 
 @dataclass
@@ -21,9 +21,12 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[StepLogprobs] = field(default_factory=list)
+    """Each token's candidates, when the request asked for log-probabilities."""
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
+        self.logprobs.extend(delta.logprobs or [])
         if delta.num_input_tokens:
             self.prompt_tokens = delta.num_input_tokens
         self.completion_tokens += delta.num_output_tokens
@@ -45,6 +48,9 @@ class Answer(ABC):
     choices: list[Choice]
     per_prompt: int = 1
     """Choices per prompt (``n``): a prompt's tokens count once in the usage, as in vLLM."""
+    top_logprobs: int | None = None
+    """Candidates to list per token when the request asked for log-probabilities (the
+    chat's ``top_logprobs``, the completions' ``logprobs``); ``None``: it did not."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def add(self, index: int, delta: Delta) -> None:

@@ -142,6 +142,7 @@ async def _chat_job(service: OpenAIService, body: Any) -> Job:
         model=request.model or model,
         choices=[Choice() for _ in inputs],
         per_prompt=len(inputs),  # one conversation
+        top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "chat.completions")
 
@@ -161,6 +162,7 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
         model=request.model or model,
         choices=[Choice() for _ in inputs],
         per_prompt=request.n,
+        top_logprobs=request.logprobs,
         echo=echo,
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "completions")

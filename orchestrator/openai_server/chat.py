@@ -2,7 +2,7 @@
 model's per-step outputs back into OpenAI chat answers (whole, or as stream chunks).
 
 What the engines cannot do is refused with a 400 naming the field, never ignored: tool
-calling, log-probabilities, beam search. ``n`` answers are ``n`` requests, as vLLM's
+calling, beam search. ``n`` answers are ``n`` requests, as vLLM's
 parallel sampling makes them; ``response_format`` is guided decoding in the engine.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProbs,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -22,8 +23,9 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 
-from orchestrator.frontend import CHAT_ROLES, Delta
+from orchestrator.frontend import CHAT_ROLES, Delta, StepLogprobs
 from orchestrator.openai_server.answer import Answer, sse
+from orchestrator.openai_server.logprobs import chat_logprobs
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import (
     COMMON_FIELDS,
@@ -36,7 +38,7 @@ from orchestrator.protocol import InvalidRequest, Tensors
 
 SERVED_FIELDS = COMMON_FIELDS | {
     # the conversation and how it is rendered and tokenized
-    "messages", "add_generation_prompt", "max_completion_tokens",
+    "messages", "add_generation_prompt", "max_completion_tokens", "logprobs", "top_logprobs",
     # what vllm serve without a reasoning parser or tools does not act on either
     "include_reasoning", "parallel_tool_calls",
 }  # fmt: skip
@@ -53,8 +55,6 @@ def check_chat(request: Any) -> None:
             "tools": bool(request.tools) and "tool calling is not served here",
             "tool_choice": request.tool_choice not in (None, "none")
             and "tool calling is not served",
-            "logprobs": bool(request.logprobs) and "log-probabilities are not returned",
-            "top_logprobs": bool(request.top_logprobs) and "log-probabilities are not returned",
             "continue_final_message": request.continue_final_message and "not supported",
             "add_generation_prompt": not request.add_generation_prompt and "must be true",
             "chat_template": request.chat_template is not None
@@ -124,6 +124,8 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
         "return_num_input_tokens": np.array([True]),
         "return_num_output_tokens": np.array([True]),
     }
+    if options.logprobs is not None:
+        inputs["return_logprobs"] = np.array([True])
     if images:
         inputs["image"] = np.array(images, dtype=np.object_)
     if request.add_special_tokens:
@@ -146,17 +148,29 @@ class ChatAnswer(Answer):
     def event(self, index: int, delta: Delta) -> str | None:
         if not delta.text and delta.finish_reason is None:
             return None
-        return self._chunk(index, DeltaMessage(content=delta.text), delta.finish_reason)
+        message = DeltaMessage(content=delta.text)
+        return self._chunk(index, message, delta.finish_reason, self._logprobs(delta.logprobs))
 
-    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None = None) -> str:
-        choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, finish_reason=finish)
+    def _chunk(
+        self, index: int, delta: DeltaMessage, finish: str | None = None, logprobs: Any = None
+    ) -> str:
+        extra = {} if logprobs is None else {"logprobs": logprobs}
+        choice = ChatCompletionResponseStreamChoice(
+            index=index, delta=delta, finish_reason=finish, **extra
+        )
         return sse(self.stream_chunk([choice]), exclude_unset=True)
+
+    def _logprobs(self, steps: list[StepLogprobs] | None) -> ChatCompletionLogProbs | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(steps or [], self.top_logprobs)
 
     def response(self) -> ChatCompletionResponse:
         choices = [
             ChatCompletionResponseChoice(
                 index=i,
                 message=ChatMessage(role="assistant", content="".join(answer.text)),
+                logprobs=self._logprobs(answer.logprobs),
                 finish_reason=answer.finish_reason or "stop",
             )
             for i, answer in enumerate(self.choices)

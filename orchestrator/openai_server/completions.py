@@ -6,8 +6,8 @@ A prompt goes to the engine as it is, without the chat template, as vLLM's compl
 endpoint sends it: text (tokenized with the tokenizer's special tokens unless
 ``add_special_tokens`` is false) or token ids, one prompt or a list of them, each its own
 choice (``index``), or ``n`` choices each. What the engines cannot do is refused
-with a 400 naming the field: log-probabilities, ``suffix``, prompt embeddings, beam
-search.
+with a 400 naming the field: the prompt's log-probabilities (``echo`` with ``logprobs``),
+``suffix``, prompt embeddings, beam search.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 
 from orchestrator.frontend import Delta, RawPrompt
 from orchestrator.openai_server.answer import Answer, sse
+from orchestrator.openai_server.logprobs import completion_logprobs
 from orchestrator.openai_server.request import (
     COMMON_FIELDS,
     check_supported,
@@ -34,7 +35,7 @@ from orchestrator.openai_server.request import (
 )
 from orchestrator.protocol import InvalidRequest, Tensors
 
-SERVED_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+SERVED_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 """Fields of vLLM's ``CompletionRequest`` this server acts on as ``vllm serve`` does."""
 
 
@@ -45,7 +46,9 @@ def check_completion(request: Any) -> None:
         SERVED_FIELDS,
         {
             **common_refusals(request),
-            "logprobs": request.logprobs is not None and "log-probabilities are not returned",
+            "echo": request.echo
+            and request.logprobs is not None
+            and "echo with logprobs needs the prompt's log-probabilities, which are not returned",
             "suffix": request.suffix is not None and "fill-in-the-middle is not served here",
             "prompt_embeds": request.prompt_embeds is not None and "not served here",
             "max_tokens": request.echo
@@ -80,6 +83,8 @@ def model_inputs(request: Any, defaults: dict[str, Any]) -> list[Tensors]:
         "return_num_input_tokens": np.array([True]),
         "return_num_output_tokens": np.array([True]),
     }
+    if options.logprobs is not None:
+        common["return_logprobs"] = np.array([True])
     sets = []
     for i, prompt in enumerate(prompts(request)):
         if isinstance(prompt, str):
@@ -102,13 +107,23 @@ class CompletionAnswer(Answer):
 
     echo: list[str] = field(default_factory=list)
     """Each choice's prompt text still to send (``echo``), emptied once it is."""
+    offsets: dict[int, int] = field(default_factory=dict)
+    """Where each choice's next streamed token starts in its text (for ``logprobs``)."""
 
     def event(self, index: int, delta: Delta) -> str | None:
         text = self._echoed(index) + delta.text
         if not text and delta.finish_reason is None:
             return None
+        extra = {}
+        if self.top_logprobs is not None:
+            logprobs = completion_logprobs(
+                delta.logprobs or [], self.top_logprobs, self.offsets.get(index, 0)
+            )
+            if logprobs.tokens:  # by the tokens reported, as vLLM advances it
+                self.offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            extra["logprobs"] = logprobs
         choice = CompletionResponseStreamChoice(
-            index=index, text=text, finish_reason=delta.finish_reason
+            index=index, text=text, finish_reason=delta.finish_reason, **extra
         )
         return sse(self.stream_chunk([choice]), exclude_unset=True)
 
@@ -123,6 +138,11 @@ class CompletionAnswer(Answer):
             CompletionResponseChoice(
                 index=i,
                 text=self._echoed(i) + "".join(c.text),
+                logprobs=(
+                    None
+                    if self.top_logprobs is None
+                    else completion_logprobs(c.logprobs, self.top_logprobs)
+                ),
                 finish_reason=c.finish_reason or "stop",
             )
             for i, c in enumerate(self.choices)

@@ -19,6 +19,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -225,6 +226,66 @@ def test_http_generate_stream_matches_offline_vllm(epd_stack, reference, case):
 def test_reference_is_not_trivial(reference):
     """Different prompts give different greedy text: the comparison can actually fail."""
     assert len(set(reference.values())) == len(reference)
+
+
+def _logprob_responses(
+    topology: Topology, model: str, text: str, images: list[bytes], sampling: dict
+) -> list[tuple[str, list[dict], int]]:
+    """Each streamed response's text, ``logprobs`` (JSON) and ``num_output_tokens``."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    responses = []
+    with grpcclient.InferenceServerClient(_front(topology).grpc_url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        inputs = request_inputs(text, images, sampling, stream=True)
+        for name in ("return_logprobs", "return_num_output_tokens"):
+            flag = grpcclient.InferInput(name, [1], "BOOL")
+            flag.set_data_from_numpy(np.array([True]))
+            inputs.append(flag)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        final = False
+        while not final:
+            result, error = results.get(timeout=300)
+            assert error is None, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if result.get_response().outputs:
+                responses.append(
+                    (
+                        result.as_numpy("text_output")[0].decode(),
+                        json.loads(result.as_numpy("logprobs")[0]),
+                        int(result.as_numpy("num_output_tokens")[0]),
+                    )
+                )
+        client.stop_stream()
+    return responses
+
+
+@pytest.mark.parametrize("case", ["chelsea", "two_images", "text_only"])
+def test_logprobs_are_vllm_backends_and_the_same_in_every_path(epd_stack, reference, case):
+    """``return_logprobs`` with ``sampling_parameters.logprobs``, as Triton's vllm_backend
+    answers it: per response, one entry per token it carries (``num_output_tokens``), each
+    the sampled token first (greedy: rank 1) and at most ``logprobs`` others. ``epd``
+    (E+PD's engine, or E/P/D's decode, whose first token comes from prefill's pulled KV)
+    gives the candidates ``aggregated`` gives, with the same log-probabilities."""
+    text, images = CASES[case]
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
+    steps = {}
+    for model in ("epd", "aggregated"):
+        responses = _logprob_responses(epd_stack, model, text, images, sampling)
+        assert "".join(piece for piece, _, _ in responses) == reference[case]
+        assert all(len(logprobs) == count for _, logprobs, count in responses), responses
+        steps[model] = [step for _, logprobs, _ in responses for step in logprobs]
+        assert len(steps[model]) == MAX_TOKENS
+        for step in steps[model]:
+            assert 1 <= len(step) <= 3 and next(iter(step.values()))["rank"] == 1, step
+            assert all(isinstance(c["decoded_token"], str) for c in step.values()), step
+    assert [list(s) for s in steps["epd"]] == [list(s) for s in steps["aggregated"]]
+    for ours, theirs in zip(steps["epd"], steps["aggregated"], strict=True):
+        for token, candidate in ours.items():
+            assert candidate["logprob"] == pytest.approx(theirs[token]["logprob"], abs=1e-3)
 
 
 @pytest.mark.parametrize("case", list(STRUCTURED))

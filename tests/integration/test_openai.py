@@ -234,7 +234,7 @@ def test_errors_have_the_right_status_and_say_what_is_wrong(stack, client):
     cases = [
         ({"model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist"),
         ({"n": 2, "temperature": 0}, 400, "n must be 1 when using greedy sampling"),
-        ({"logprobs": True}, 400, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "greater than max allowed: 20"),
         ({"temperature": -1}, 400, "temperature"),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -283,7 +283,8 @@ def test_completions_errors_have_the_right_status_and_say_what_is_wrong(stack, c
     cases = [
         ({"model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist"),
         ({"n": 2, "temperature": 0}, 400, "n must be 1 when using greedy sampling"),
-        ({"logprobs": 1}, 400, "logprobs: log-probabilities are not returned"),
+        ({"logprobs": 1, "echo": True}, 400, "the prompt's log-probabilities"),
+        ({"logprobs": 30}, 400, "logprobs"),
         ({"suffix": "end"}, 400, "suffix"),
         ({"prompt": ""}, 400, "must be provided and non-empty"),
         ({"prompt": []}, 400, "prompt"),
@@ -522,6 +523,74 @@ def test_guided_answers_are_vllm_serves(vllm_serve, stack, client, case):
     for model in ("epd", "aggregated"):
         for stream in (False, True):
             assert _guided(client, model, case, stream) == theirs, (model, stream)
+
+
+LOGPROBS = {
+    "chat, photo, top 3": {"messages": CASES["photo"], "logprobs": True, "top_logprobs": 3},
+    "chat, two images, the tokens alone": {
+        "messages": CASES["two images interleaved"],
+        "logprobs": True,
+    },
+    "completions, 2": {"prompt": "Once upon a time", "logprobs": 2},
+}
+"""Log-probabilities as ``vllm serve`` answers them, chat (``top_logprobs`` candidates per
+token) and completions (``logprobs`` + 1 per token, text offsets)."""
+
+
+def _logprobs(client: openai.OpenAI, model: str, case: str, stream: bool) -> list[tuple]:
+    """Per token: (token, log-probability, the candidates' tokens, their log-probabilities,
+    text offset) from a whole answer or its chunks."""
+    request = {"model": model, "stream": stream, **GREEDY, **LOGPROBS[case]}
+    chat = "messages" in request
+    answer = (client.chat.completions if chat else client.completions).create(**request)
+    steps = []
+    for chunk in answer if stream else [answer]:
+        for choice in chunk.choices:
+            if choice.logprobs is None:
+                continue
+            if chat:
+                for c in choice.logprobs.content or []:
+                    top = c.top_logprobs
+                    steps.append(
+                        (c.token, c.logprob, [t.token for t in top], [t.logprob for t in top], None)
+                    )
+            else:
+                lp = choice.logprobs
+                for i, token in enumerate(lp.tokens):
+                    top = lp.top_logprobs[i]
+                    steps.append(
+                        (
+                            token,
+                            lp.token_logprobs[i],
+                            list(top),
+                            list(top.values()),
+                            lp.text_offset[i],
+                        )
+                    )
+    return steps
+
+
+def _same_logprobs(ours: list[tuple], theirs: list[tuple]) -> None:
+    assert [(s[0], s[2], s[4]) for s in ours] == [(s[0], s[2], s[4]) for s in theirs]
+    for mine, peer in zip(ours, theirs, strict=True):
+        assert mine[1] == pytest.approx(peer[1], abs=1e-3)
+        assert mine[3] == pytest.approx(peer[3], abs=1e-3)
+
+
+@pytest.mark.parametrize("case", list(LOGPROBS))
+def test_logprobs_are_vllm_serves(vllm_serve, stack, client, case):
+    """The same tokens, candidates and offsets as ``vllm serve``, log-probabilities equal
+    to 1e-3, through ``epd`` (E/P/D: decode's engine computes them from the first token)
+    and ``aggregated``; a stream's chunks carry together what the whole answer does."""
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    theirs = _logprobs(peer, "tiny", case, stream=False)
+    assert len(theirs) == GREEDY["max_tokens"], theirs
+    alternatives = {"chat, photo, top 3": 3, "chat, two images, the tokens alone": 0}
+    if case in alternatives:
+        assert all(len(step[2]) == alternatives[case] for step in theirs), theirs
+    for model in ("epd", "aggregated"):
+        for stream in (False, True):
+            _same_logprobs(_logprobs(client, model, case, stream), theirs)
 
 
 SAMPLED = {"seed": 7, "temperature": 1.0, "max_tokens": 8}

@@ -79,7 +79,8 @@ def test_sampling_takes_vllms_fields_and_refuses_what_it_cannot_answer():
     assert kwargs["logit_bias"] == {5: -3.0} and kwargs["top_k"] == 0 and "n" not in kwargs
     for raw, expected in (
         ('{"n": 2}', "n"),
-        ('{"logprobs": 5}', "logprobs is not supported"),
+        ('{"prompt_logprobs": 5}', "prompt_logprobs is not supported"),
+        ('{"logprobs": -2}', "logprobs"),
         ('{"best_of": 3}', "best_of is not supported"),
         ('{"temprature": 1}', "temprature"),
         ('{"presence_penalty": 9}', "presence_penalty"),

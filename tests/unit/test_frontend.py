@@ -18,6 +18,7 @@ from orchestrator.frontend import (
     ExtraOutputs,
     Prompt,
     PromptBuilder,
+    TokenLogprob,
     completion_responses,
     parse_front_request,
     tensors_delta,
@@ -151,7 +152,7 @@ def test_optional_outputs_follow_vllm_backend():
         yield Delta("c", 1, "length", 7)
 
     async def collect(stream: bool):
-        outputs = ExtraOutputs.every()
+        outputs = ExtraOutputs.every(logprobs=False)
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
@@ -170,6 +171,50 @@ def test_optional_outputs_follow_vllm_backend():
 
 async def _plain(deltas):
     return [r async for r in completion_responses(deltas(), False, ExtraOutputs())]
+
+
+def _step(*candidates: tuple[int, float, int, str]) -> dict[int, TokenLogprob]:
+    return {t: TokenLogprob(lp, rank, text) for t, lp, rank, text in candidates}
+
+
+def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
+    """``logprobs`` (asked by ``return_logprobs``) lists each token's candidates, vLLM's
+    order kept (the sampled token first); a token with no text yet travels with the next
+    response, as its count does; JSON ``null`` when the sampling asked for none."""
+    a = _step((5, -0.1, 1, "a"), (9, -2.5, 2, "z"))
+    b = _step((6, -1.5, 2, "b"), (7, -0.3, 1, "B"))
+    c = _step((8, float("-inf"), 3, "\u00e9"), (7, -0.3, 1, "B"))
+
+    async def deltas():
+        yield Delta("", 1, None, 7, [a])
+        yield Delta("ab", 1, None, 7, [b])
+        yield Delta("c", 1, "length", 7, [c])
+
+    async def collect(stream: bool):
+        outputs = ExtraOutputs(logprobs=True)
+        return [r async for r in completion_responses(deltas(), stream, outputs)]
+
+    streamed = asyncio.run(collect(True))
+    first = json.loads(streamed[0]["logprobs"][0])
+    assert first == [
+        {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+         "9": {"logprob": -2.5, "rank": 2, "decoded_token": "z"}},
+        {"6": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
+         "7": {"logprob": -0.3, "rank": 1, "decoded_token": "B"}},
+    ]  # fmt: skip
+    [whole] = asyncio.run(_collect(completion_responses(deltas(), False, ExtraOutputs.every(True))))
+    back = tensors_delta(whole)
+    assert back.logprobs == [a, b, c] and list(back.logprobs[0]) == [5, 9]  # order kept
+
+    async def unasked():
+        yield Delta("x", 1, "stop", 7)
+
+    [none] = asyncio.run(_collect(completion_responses(unasked(), False, ExtraOutputs.every(True))))
+    assert none["logprobs"][0] == b"null" and tensors_delta(none).logprobs is None
+
+
+async def _collect(responses):
+    return [r async for r in responses]
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])

@@ -27,7 +27,7 @@ def request(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tool calling"),
         ({"use_beam_search": True}, "beam search"),
         ({"chat_template": "{{ 1 }}"}, "the model's own template"),

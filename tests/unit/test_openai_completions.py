@@ -29,7 +29,7 @@ def request(**fields) -> CompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"logprobs": 0}, "logprobs: log-probabilities are not returned"),
+        ({"echo": True, "logprobs": 0}, "echo: echo with logprobs needs the prompt's"),
         ({"suffix": "end"}, "suffix: fill-in-the-middle"),
         ({"echo": True, "max_tokens": 0}, "max_tokens: echo without generation"),
         ({"use_beam_search": True}, "beam search"),
@@ -139,3 +139,33 @@ def test_a_batchs_streams_merge_by_index_and_the_first_error_stops_them_all():
         assert sorted(log) == ["b closed", "forever closed"]
 
     asyncio.run(run())
+
+
+def test_logprobs_in_the_openai_shapes_vllm_serve_answers_with():
+    """Chat lists ``top_logprobs`` candidates per token, completions ``logprobs`` + 1 (the
+    OpenAI API's rule for each); -inf is -9999.0; a completions chunk's offsets go on from
+    where the tokens before it ended."""
+    from orchestrator.frontend import TokenLogprob
+    from orchestrator.openai_server.logprobs import chat_logprobs, completion_logprobs
+
+    steps = [
+        {
+            5: TokenLogprob(-0.5, 2, "He"),
+            3: TokenLogprob(-0.2, 1, "I"),
+            8: TokenLogprob(-3, 3, "A"),
+        },
+        {6: TokenLogprob(float("-inf"), 9, "llo"), 1: TokenLogprob(-0.1, 1, "!")},
+    ]
+    chat = chat_logprobs(steps, 1).content
+    assert [(c.token, c.logprob, c.bytes) for c in chat] == [
+        ("He", -0.5, list(b"He")),
+        ("llo", -9999.0, list(b"llo")),
+    ]
+    assert [[t.token for t in c.top_logprobs] for c in chat] == [["He"], ["llo"]]
+    assert [len(c.top_logprobs) for c in chat_logprobs(steps, 0).content] == [0, 0]
+    assert [len(c.top_logprobs) for c in chat_logprobs(steps, -1).content] == [3, 2]
+    whole = completion_logprobs(steps, 1)
+    assert whole.tokens == ["He", "llo"] and whole.token_logprobs == [-0.5, -9999.0]
+    assert whole.top_logprobs == [{"He": -0.5, "I": -0.2}, {"llo": -9999.0, "!": -0.1}]
+    assert whole.text_offset == [0, 2]
+    assert completion_logprobs(steps[1:], 1, offset=2).text_offset == [2]
