@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,46 @@ class FrontRequest:
     its template's), on for a raw prompt, as in vLLM's chat and completions endpoints."""
     raw_prompt: RawPrompt | None = None
     """The ``prompt`` or ``prompt_token_ids`` input: the engine's prompt, no template."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The ``chat_template_kwargs`` input: the chat template's own variables
+    (``add_generation_prompt``, ``continue_final_message``, a model's switches), as
+    vLLM's chat endpoint passes them; ``PromptBuilder`` keeps what the template reads."""
+
+
+REFUSED_TEMPLATE_KWARGS = {
+    "chat_template": "the model's own template is used",
+    "tokenize": "the prompt is tokenized by the server",
+    "tools": "tool calling is not served here",
+    "documents": "not served here",
+    "messages": "send the chat as messages",
+    "conversation": "send the chat as messages",
+}
+"""``chat_template_kwargs`` that would change what the server renders rather than how."""
+
+
+def parse_template_kwargs(raw: bytes, limits: Limits) -> dict[str, Any]:
+    """The ``chat_template_kwargs`` input (a JSON object), checked at the edge."""
+    if len(raw) > limits.max_text_bytes:
+        raise TooLarge(
+            f"chat_template_kwargs is {len(raw)} bytes; the limit is {limits.max_text_bytes}"
+        )
+    try:
+        kwargs = json.loads(_text(raw, "chat_template_kwargs"))
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object")
+    for name, why in REFUSED_TEMPLATE_KWARGS.items():
+        if name in kwargs:
+            raise InvalidRequest(f"chat_template_kwargs.{name}: {why}")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(kwargs.get(name, False), bool):
+            raise InvalidRequest(f"chat_template_kwargs.{name} must be true or false")
+    if kwargs.get("add_generation_prompt") and kwargs.get("continue_final_message"):
+        raise InvalidRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    return kwargs
 
 
 PROMPT_FORMS = ("text_input", "messages", "prompt", "prompt_token_ids")
@@ -192,6 +233,14 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         messages = [user_turn(text, len(items))]
 
     check_image_count(len(items), limits)
+    template_kwargs: dict[str, Any] = {}
+    if (raw_kwargs := _scalar_bytes(inputs, "chat_template_kwargs")) is not None:
+        if raw_prompt is not None:
+            raise InvalidRequest(
+                f"chat_template_kwargs applies to a chat; {sent[0]} is used as it is"
+            )
+        template_kwargs = parse_template_kwargs(raw_kwargs, limits)
+        text_bytes += len(raw_kwargs)
     raw_sampling = _scalar_bytes(inputs, "sampling_parameters")
     if raw_sampling is not None and len(raw_sampling) > limits.max_text_bytes:
         # user text too: stop strings, bad words, a grammar or JSON schema to compile
@@ -232,6 +281,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         outputs,
         _flag(inputs, "add_special_tokens", default=raw_prompt is not None),
         raw_prompt,
+        template_kwargs,
     )
 
 
@@ -323,22 +373,42 @@ class PromptBuilder:
         """The prompt of one user turn with ``num_images`` images before its text."""
         return self.build_chat([user_turn(text, num_images)])
 
-    def build_chat(self, messages: list[dict[str, Any]]) -> str:
+    def build_chat(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str:
         """The prompt of a conversation, each image where its part stands, ready for the
-        assistant's answer (as vLLM's chat endpoint renders it)."""
+        assistant's answer unless ``template_kwargs`` say otherwise (as vLLM's chat endpoint
+        renders it: of those, what the template reads, the rest dropped as vLLM drops it)."""
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        kwargs = {k: v for k, v in kwargs.items() if k in self.template_variables}
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint (jinja)
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """Keyword arguments the chat template can take: the variables it reads, and HF's
+        own two that shape the end of the prompt."""
+        import jinja2
+        from jinja2 import meta
+
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: HF renders the default one
+            template = template.get("default", "")
+        read = meta.find_undeclared_variables(jinja2.Environment().parse(template or ""))
+        shaping = {"add_generation_prompt", "continue_final_message"}
+        return frozenset((read | shaping) - REFUSED_TEMPLATE_KWARGS.keys())
+
     def render_now(
-        self, messages: list[dict[str, Any]], add_special_tokens: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
         """The conversation's prompt, tokenized as vLLM's chat endpoint tokenizes it: with
         the tokenizer's special tokens on top of the template's only if asked."""
-        text = self.build_chat(messages)
+        text = self.build_chat(messages, template_kwargs)
         return Prompt(text, self.tokenize(text, add_special_tokens))
 
     def prompt_now(self, request: FrontRequest) -> Prompt:
@@ -346,7 +416,9 @@ class PromptBuilder:
         is (text tokenized, token ids checked against the vocabulary)."""
         raw = request.raw_prompt
         if raw is None:
-            return self.render_now(request.messages, request.add_special_tokens)
+            return self.render_now(
+                request.messages, request.add_special_tokens, request.template_kwargs
+            )
         if isinstance(raw, str):
             prompt = Prompt(raw, self.tokenize(raw, request.add_special_tokens))
         else:

@@ -48,6 +48,9 @@ class Answer(ABC):
     choices: list[Choice]
     per_prompt: int = 1
     """Choices per prompt (``n``): a prompt's tokens count once in the usage, as in vLLM."""
+    continuous_usage: bool = False
+    """Each chunk carries its choice's usage so far (``stream_options.include_usage`` with
+    ``continuous_usage_stats``, as vLLM serves it)."""
     top_logprobs: int | None = None
     """Candidates to list per token when the request asked for log-probabilities (the
     chat's ``top_logprobs``, the completions' ``logprobs``); ``None``: it did not."""
@@ -64,8 +67,23 @@ class Answer(ABC):
         )
 
     def opening(self) -> list[str]:
-        """The events before any text."""
+        """The events before any text (sent once each choice's first step is in)."""
         return []
+
+    def choice_usage(self, index: int, completion: int | None = None) -> dict[str, Any]:
+        """``usage=`` for a chunk of choice ``index`` when the client asked for it in every
+        chunk: its prompt's tokens and its answer's so far (or ``completion``)."""
+        if not self.continuous_usage:
+            return {}
+        choice = self.choices[index]
+        done = choice.completion_tokens if completion is None else completion
+        return {
+            "usage": UsageInfo(
+                prompt_tokens=choice.prompt_tokens,
+                completion_tokens=done,
+                total_tokens=choice.prompt_tokens + done,
+            )
+        }
 
     @abstractmethod
     def event(self, index: int, delta: Delta) -> str | None:

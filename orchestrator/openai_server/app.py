@@ -143,6 +143,7 @@ async def _chat_job(service: OpenAIService, body: Any) -> Job:
         choices=[Choice() for _ in inputs],
         per_prompt=len(inputs),  # one conversation
         top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        continuous_usage=_continuous_usage(request),
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "chat.completions")
 
@@ -163,6 +164,7 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
         choices=[Choice() for _ in inputs],
         per_prompt=request.n,
         top_logprobs=request.logprobs,
+        continuous_usage=_continuous_usage(request),
         echo=echo,
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "completions")
@@ -170,3 +172,8 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
 
 def _usage(request: Any) -> bool:
     return bool(request.stream_options and request.stream_options.include_usage)
+
+
+def _continuous_usage(request: Any) -> bool:
+    """Usage in every chunk: asked with ``include_usage``, as vLLM reads the two."""
+    return _usage(request) and bool(request.stream_options.continuous_usage_stats)

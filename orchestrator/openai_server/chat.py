@@ -38,7 +38,9 @@ from orchestrator.protocol import InvalidRequest, Tensors
 
 SERVED_FIELDS = COMMON_FIELDS | {
     # the conversation and how it is rendered and tokenized
-    "messages", "add_generation_prompt", "max_completion_tokens", "logprobs", "top_logprobs",
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+    # the chat template's own variables, as vLLM passes them to it
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     # what vllm serve without a reasoning parser or tools does not act on either
     "include_reasoning", "parallel_tool_calls",
 }  # fmt: skip
@@ -55,12 +57,23 @@ def check_chat(request: Any) -> None:
             "tools": bool(request.tools) and "tool calling is not served here",
             "tool_choice": request.tool_choice not in (None, "none")
             and "tool calling is not served",
-            "continue_final_message": request.continue_final_message and "not supported",
-            "add_generation_prompt": not request.add_generation_prompt and "must be true",
             "chat_template": request.chat_template is not None
             and "the model's own template is used",
         },
     )
+
+
+DEFAULT_TEMPLATE_KWARGS = {"add_generation_prompt": True, "continue_final_message": False}
+
+
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """The chat template's keyword arguments as vLLM's chat endpoint passes them: its two
+    fields that shape the prompt's end, then the request's ``chat_template_kwargs``."""
+    return {
+        "add_generation_prompt": request.add_generation_prompt,
+        "continue_final_message": request.continue_final_message,
+        **(request.chat_template_kwargs or {}),
+    }
 
 
 @dataclass
@@ -126,6 +139,9 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
     }
     if options.logprobs is not None:
         inputs["return_logprobs"] = np.array([True])
+    if (kwargs := template_kwargs(request)) != DEFAULT_TEMPLATE_KWARGS:
+        encoded = json.dumps(kwargs).encode()
+        inputs["chat_template_kwargs"] = np.array([encoded], dtype=np.object_)
     if images:
         inputs["image"] = np.array(images, dtype=np.object_)
     if request.add_special_tokens:
@@ -143,22 +159,32 @@ class ChatAnswer(Answer):
 
     def opening(self) -> list[str]:
         role = DeltaMessage(role="assistant", content="")
-        return [self._chunk(i, role) for i in range(len(self.choices))]
+        return [
+            self._chunk(i, role, usage=self.choice_usage(i, completion=0))
+            for i in range(len(self.choices))
+        ]
 
     def event(self, index: int, delta: Delta) -> str | None:
         if not delta.text and delta.finish_reason is None:
             return None
         message = DeltaMessage(content=delta.text)
-        return self._chunk(index, message, delta.finish_reason, self._logprobs(delta.logprobs))
+        usage = self.choice_usage(index)
+        logprobs = self._logprobs(delta.logprobs)
+        return self._chunk(index, message, delta.finish_reason, logprobs, usage)
 
     def _chunk(
-        self, index: int, delta: DeltaMessage, finish: str | None = None, logprobs: Any = None
+        self,
+        index: int,
+        delta: DeltaMessage,
+        finish: str | None = None,
+        logprobs: Any = None,
+        usage: dict[str, Any] | None = None,
     ) -> str:
         extra = {} if logprobs is None else {"logprobs": logprobs}
         choice = ChatCompletionResponseStreamChoice(
             index=index, delta=delta, finish_reason=finish, **extra
         )
-        return sse(self.stream_chunk([choice]), exclude_unset=True)
+        return sse(self.stream_chunk([choice], **(usage or {})), exclude_unset=True)
 
     def _logprobs(self, steps: list[StepLogprobs] | None) -> ChatCompletionLogProbs | None:
         if self.top_logprobs is None:

@@ -125,7 +125,7 @@ class CompletionAnswer(Answer):
         choice = CompletionResponseStreamChoice(
             index=index, text=text, finish_reason=delta.finish_reason, **extra
         )
-        return sse(self.stream_chunk([choice]), exclude_unset=True)
+        return sse(self.stream_chunk([choice], **self.choice_usage(index)), exclude_unset=True)
 
     def _echoed(self, index: int) -> str:
         if not self.echo:

@@ -73,9 +73,6 @@ def check_supported(request: Any, served: frozenset[str], refusals: dict[str, An
     for name in sorted((request.model_fields_set & fields.keys()) - served - refusals.keys()):
         if getattr(request, name) != fields[name].get_default(call_default_factory=True):
             raise InvalidRequest(f"{name}: not supported by this server")
-    options = getattr(request, "stream_options", None)
-    if options is not None and options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats: not supported")
 
 
 def common_refusals(request: Any) -> dict[str, Any]:

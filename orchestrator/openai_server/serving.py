@@ -316,10 +316,11 @@ async def _events(
     long sent)."""
     answer = job.answer
     try:
+        for index, delta in enumerate(firsts):
+            answer.add(index, delta)
         for event in answer.opening():
             yield event
-        for index, delta in [*enumerate(firsts)]:
-            answer.add(index, delta)
+        for index, delta in enumerate(firsts):
             if (event := answer.event(index, delta)) is not None:
                 yield event
         async for index, delta in rest:

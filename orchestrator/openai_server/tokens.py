@@ -21,15 +21,21 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from orchestrator.config import Limits
 from orchestrator.encoder.preprocess import open_image
 from orchestrator.families.base import ModelFamily
-from orchestrator.frontend import PromptBuilder, bad_image, check_image_count, parse_messages
-from orchestrator.openai_server.chat import conversation
+from orchestrator.frontend import (
+    PromptBuilder,
+    bad_image,
+    check_image_count,
+    parse_messages,
+    parse_template_kwargs,
+)
+from orchestrator.openai_server.chat import conversation, template_kwargs
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import check_supported, parse_request
 from orchestrator.protocol import InvalidRequest, TooLarge
 
 SERVED_FIELDS = frozenset(
     {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
-     "return_token_strs"}
+     "return_token_strs", "continue_final_message", "chat_template_kwargs"}
 )  # fmt: skip
 """Fields of vLLM's tokenize requests this server acts on as ``vllm serve`` does."""
 
@@ -53,8 +59,6 @@ class Tokens:
                 chat,
                 SERVED_FIELDS,
                 {
-                    "add_generation_prompt": not chat.add_generation_prompt and "must be true",
-                    "continue_final_message": chat.continue_final_message and "not supported",
                     "chat_template": chat.chat_template is not None
                     and "the model's own template is used",
                     "tools": bool(chat.tools) and "tool calling is not served here",
@@ -85,8 +89,10 @@ class Tokens:
                 tokens.append(self.family.image_layout(*size).tokens)
             except ValueError as exc:
                 raise bad_image(which, exc) from None
+        kwargs = template_kwargs(request)
+        parse_template_kwargs(json.dumps(kwargs).encode(), self.limits)  # the models' checks
         rendered = await asyncio.to_thread(
-            self.prompts.render_now, chat.messages, request.add_special_tokens
+            self.prompts.render_now, chat.messages, request.add_special_tokens, kwargs
         )
         return expand_images(rendered.token_ids, self.family.image_token_id, tokens)
 

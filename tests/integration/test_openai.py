@@ -525,6 +525,69 @@ def test_guided_answers_are_vllm_serves(vllm_serve, stack, client, case):
             assert _guided(client, model, case, stream) == theirs, (model, stream)
 
 
+def test_a_started_answer_is_continued_as_vllm_serve_continues_it(vllm_serve, stack, client):
+    """``continue_final_message`` (``add_generation_prompt`` false) continues the assistant's
+    last turn instead of answering it; ``chat_template_kwargs`` the template does not read
+    are dropped, as vLLM drops them. The same text and prompt tokens as ``vllm serve``,
+    through ``epd`` and ``aggregated``, and ``/tokenize`` counts that prompt as both do."""
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    messages = [*CASES["photo"], {"role": "assistant", "content": "It is a"}]
+    extra = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    theirs = peer.chat.completions.create(
+        model="tiny", messages=messages, extra_body=extra, **GREEDY
+    )
+    answered = peer.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert theirs.usage.prompt_tokens < answered.usage.prompt_tokens  # no new turn opened
+    for model in ("epd", "aggregated"):
+        ours = client.chat.completions.create(
+            model=model, messages=messages, extra_body=extra, **GREEDY
+        )
+        assert ours.choices[0].message.content == theirs.choices[0].message.content, model
+        assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens, model
+    body = {"model": "tiny", "messages": messages, **extra}
+    for url in (vllm_serve.removesuffix("/v1"), base_url(stack).removesuffix("/v1")):
+        status, counted = _post(f"{url}/tokenize", body)
+        assert status == 200 and counted["count"] == theirs.usage.prompt_tokens, (url, counted)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_usage_in_every_chunk_as_vllm_serve_sends_it(vllm_serve, stack, client, endpoint):
+    """``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so
+    far (chat's role chunk: nothing generated yet), counting up to the totals of the last
+    chunk, which equal ``vllm serve``'s, through ``epd`` and ``aggregated``."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    def chunks(c: openai.OpenAI, model: str) -> list:
+        if endpoint == "chat":
+            api, request = c.chat.completions, {"messages": CASES["photo"]}
+        else:
+            api, request = c.completions, {"prompt": "Once upon a time"}
+        return list(
+            api.create(model=model, stream=True, stream_options=options, **request, **GREEDY)
+        )
+
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    for model, answer in [("tiny", chunks(peer, "tiny"))] + [
+        (model, chunks(client, model)) for model in ("epd", "aggregated")
+    ]:
+        assert all(c.usage is not None for c in answer), model
+        total = answer[-1].usage
+        assert not answer[-1].choices and total.completion_tokens == GREEDY["max_tokens"], model
+        assert {c.usage.prompt_tokens for c in answer} == {total.prompt_tokens}, model
+        done = [c.usage.completion_tokens for c in answer]
+        assert done == sorted(done) and done[-2] == total.completion_tokens, (model, done)
+        if endpoint == "chat":
+            assert answer[0].choices[0].delta.role == "assistant" and done[0] == 0, model
+        if model == "tiny":
+            theirs = total
+        else:
+            assert total == theirs, model
+
+
 LOGPROBS = {
     "chat, photo, top 3": {"messages": CASES["photo"], "logprobs": True, "top_logprobs": 3},
     "chat, two images, the tokens alone": {
@@ -678,9 +741,9 @@ def test_tokenize_errors_have_the_right_status_and_say_what_is_wrong(stack):
         ("tokenize", {"messages": CASES["text only"], "tools": tools}, 400, "tools: tool calling"),
         (
             "tokenize",
-            {"messages": CASES["text only"], "chat_template_kwargs": {}},
+            {"messages": CASES["text only"], "chat_template_kwargs": {"tokenize": True}},
             400,
-            "chat_template_kwargs: not supported",
+            "chat_template_kwargs.tokenize",
         ),
         ("tokenize", {"prompt": "x" * (1 << 20 | 1)}, 413, "the limit is 1048576"),
         (

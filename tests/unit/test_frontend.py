@@ -319,3 +319,54 @@ def test_a_raw_prompt_is_the_engines_prompt_as_it_is(hub_checkpoint):
     empty = {**_raw("prompt", b""), "add_special_tokens": np.array([False])}
     with pytest.raises(InvalidRequest, match="the prompt is empty"):
         prompts.prompt_now(parse_front_request(empty, LIMITS))
+
+
+def _with_kwargs(kwargs, base=None) -> dict[str, np.ndarray]:
+    raw = kwargs if isinstance(kwargs, bytes) else json.dumps(kwargs).encode()
+    return {**(base or _inputs()), "chat_template_kwargs": np.array([raw], dtype=np.object_)}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error", "message"),
+    [
+        (_with_kwargs({"chat_template": "{{ 1 }}"}), InvalidRequest, "own template is used"),
+        (_with_kwargs({"tokenize": True}), InvalidRequest, "chat_template_kwargs.tokenize"),
+        (_with_kwargs({"tools": []}), InvalidRequest, "tool calling is not served"),
+        (_with_kwargs({"add_generation_prompt": "yes"}), InvalidRequest, "true or false"),
+        (
+            _with_kwargs({"add_generation_prompt": True, "continue_final_message": True}),
+            InvalidRequest,
+            "Cannot set both",
+        ),
+        (_with_kwargs([1]), InvalidRequest, "must be a JSON object"),
+        (_with_kwargs(b"{x"), InvalidRequest, "not valid JSON"),
+        (_with_kwargs({"x": "y" * 100}), TooLarge, "chat_template_kwargs is 109 bytes"),
+        (_with_kwargs({}, _raw("prompt", b"x")), InvalidRequest, "applies to a chat"),
+    ],
+)
+def test_chat_template_kwargs_are_checked_at_the_edge(inputs, error, message):
+    with pytest.raises(error, match=message):
+        parse_front_request(inputs, LIMITS)
+
+
+def test_the_template_gets_the_variables_it_reads_as_vllm_passes_them(hub_checkpoint, tmp_path):
+    """``chat_template_kwargs`` reach the template (a model's switch, here ``greeting``),
+    what it does not read is dropped as vLLM drops it, and ``continue_final_message`` ends
+    the prompt inside the assistant's last turn instead of opening a new one."""
+    import shutil
+
+    model = shutil.copytree(hub_checkpoint("qwen2_vl"), tmp_path / "model")
+    template = model / "chat_template.jinja"
+    template.write_text("{% if greeting %}{{ greeting }}\n{% endif %}" + template.read_text())
+    prompts = PromptBuilder(model, max_model_len=64)
+    assert {"greeting", "add_generation_prompt"} <= prompts.template_variables
+    chat = [user_turn("hi", 0)]
+    plain = prompts.build_chat(chat)
+    assert prompts.build_chat(chat, {"greeting": "Ahoy"}) == "Ahoy\n" + plain
+    assert prompts.build_chat(chat, {"not_read": 1}) == plain
+    request = parse_front_request(_with_kwargs({"greeting": "Ahoy"}), LIMITS)
+    assert prompts.prompt_now(request).text == "Ahoy\n" + plain
+    started = [*chat, {"role": "assistant", "content": [{"type": "text", "text": "Once upon"}]}]
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True}
+    assert prompts.build_chat(started, kwargs).endswith("Once upon")
+    assert not prompts.build_chat(started, {"add_generation_prompt": False}).endswith("Once upon")

@@ -42,17 +42,15 @@ def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
     "fields",
     [
         {"cache_salt": "tenant-a"},
-        {"chat_template_kwargs": {"enable_thinking": False}},
         {"mm_processor_kwargs": {"max_pixels": 1024}},
         {"truncate_prompt_tokens": 8},
         {"echo": True},
         {"priority": 3},
         {"kv_transfer_params": {"do_remote_prefill": True}},
-        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
     ],
 )
 def test_fields_this_server_does_not_serve_are_refused_by_name_never_ignored(fields):
-    name = next(iter(fields)) if "stream_options" not in fields else "continuous_usage_stats"
+    name = next(iter(fields))
     with pytest.raises(InvalidRequest, match=name):
         check_chat(request(**fields))
 
@@ -142,6 +140,28 @@ def test_response_format_and_structured_outputs_are_vllms_reading_of_them():
     both = {"model": "m", "messages": [], "structured_outputs": {"regex": "a", "choice": ["b"]}}
     with pytest.raises(InvalidRequest, match="only use one kind"):
         parse_request(ChatCompletionRequest, both)
+
+
+def test_the_template_variables_reach_the_models_as_vllm_passes_them():
+    loader = MediaLoader([], timeout_s=1, max_bytes=8)
+    (plain,) = asyncio.run(model_inputs(request(), {}, loader))
+    assert "chat_template_kwargs" not in plain  # the template's defaults: nothing to send
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    asked = request(
+        messages=turns,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    (inputs,) = asyncio.run(model_inputs(asked, {}, loader))
+    assert parse_front_request(inputs, Limits()).template_kwargs == {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "enable_thinking": False,
+    }
+    with pytest.raises(InvalidRequest, match="tool calling is not served"):
+        tools = request(chat_template_kwargs={"tools": [{"type": "function"}]})
+        parse_front_request(asyncio.run(model_inputs(tools, {}, loader))[0], Limits())
 
 
 def test_n_answers_are_n_requests_seeded_as_vllms_parallel_sampling_seeds_them():

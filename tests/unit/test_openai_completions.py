@@ -36,7 +36,6 @@ def request(**fields) -> CompletionRequest:
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens: not supported"),
         ({"cache_salt": "tenant-a"}, "cache_salt: not supported"),
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
     ],
 )
 def test_what_the_engines_do_not_do_is_refused_by_name(fields, message):
