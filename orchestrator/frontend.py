@@ -44,12 +44,17 @@ class ExtraOutputs:
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     logprobs: bool = False
+    token_ids: bool = False
+    """``return_token_ids`` (vLLM's OpenAI extension of that name, not vllm_backend's): the
+    answer's ``token_ids`` in every response, the engine's ``prompt_token_ids`` (images'
+    placeholders expanded) in the first."""
 
     @classmethod
-    def every(cls, logprobs: bool) -> ExtraOutputs:
+    def every(cls, logprobs: bool, token_ids: bool) -> ExtraOutputs:
         """What a stage answers its caller: all of them, ``logprobs`` only when the request's
-        sampling asks vLLM for them (a response less per token to carry otherwise)."""
-        return cls(True, True, True, logprobs)
+        sampling asks vLLM for them and token ids only when the client asked for them (a
+        tensor less per token to carry otherwise)."""
+        return cls(True, True, True, logprobs, token_ids)
 
 
 RawPrompt = str | list[int]
@@ -496,6 +501,11 @@ class Delta:
     num_input_tokens: int | None = None
     logprobs: list[StepLogprobs] | None = None
     """One entry per token of the step, when the request asked for log-probabilities."""
+    token_ids: list[int] | None = None
+    """The step's tokens, where they were asked for (``return_token_ids``)."""
+    prompt_token_ids: list[int] | None = None
+    """The engine's prompt (each image's placeholder expanded), in an answer's first step
+    when token ids were asked for."""
 
 
 async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
@@ -515,14 +525,17 @@ async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
             answer.finish_reason,
             len(prompt) if prompt is not None else None,
             steps,
+            list(answer.token_ids),
+            None if prompt is None else list(prompt),
         )
 
 
 DELTA_OUTPUTS = [
-    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs",
+    "token_ids", "prompt_token_ids",
 ]  # fmt: skip
 """A response of ``delta_tensors`` with every output (what ``tensors_delta`` reads);
-``logprobs`` only where the request asked for them."""
+``logprobs`` and the token ids only where the request asked for them."""
 
 
 def _logprobs_json(steps: list[StepLogprobs] | None) -> bytes:
@@ -554,6 +567,10 @@ def delta_tensors(delta: Delta, outputs: ExtraOutputs) -> Tensors:
         tensors["num_output_tokens"] = np.array([delta.num_output_tokens], dtype=np.uint32)
     if outputs.logprobs:
         tensors["logprobs"] = np.array([_logprobs_json(delta.logprobs)], dtype=np.object_)
+    if outputs.token_ids:
+        tensors["token_ids"] = np.array(delta.token_ids or [], dtype=np.int64)
+        if delta.prompt_token_ids is not None:
+            tensors["prompt_token_ids"] = np.array(delta.prompt_token_ids, dtype=np.int64)
     return tensors
 
 
@@ -561,12 +578,15 @@ def tensors_delta(tensors: Tensors) -> Delta:
     """The ``Delta`` of a response made by ``delta_tensors`` with every output."""
     reason = tensors["finish_reason"].reshape(-1)[0].decode()
     logprobs = tensors.get("logprobs")
+    tokens, prompt = tensors.get("token_ids"), tensors.get("prompt_token_ids")
     return Delta(
         text=tensors["text_output"].reshape(-1)[0].decode("utf-8"),
         num_output_tokens=int(tensors["num_output_tokens"].reshape(-1)[0]),
         finish_reason=None if reason == "None" else reason,
         num_input_tokens=int(tensors["num_input_tokens"].reshape(-1)[0]),
         logprobs=None if logprobs is None else _steps_of(logprobs.reshape(-1)[0]),
+        token_ids=None if tokens is None else tokens.reshape(-1).tolist(),
+        prompt_token_ids=None if prompt is None else prompt.reshape(-1).tolist(),
     )
 
 
@@ -577,21 +597,28 @@ async def completion_responses(
     counts are per response, as vllm_backend's); else one response with the whole answer."""
     text: list[str] = []
     tokens, prompt, reason = 0, None, None
-    steps: list[StepLogprobs] | None = None  # of the tokens not sent yet
+    # of the tokens not sent yet: their candidates, their ids; the prompt's, until sent
+    steps: list[StepLogprobs] | None = None
+    ids: list[int] = []
+    prompt_ids: list[int] | None = None
+    sent = False
     async for delta in deltas:
         tokens += delta.num_output_tokens
         prompt = prompt if delta.num_input_tokens is None else delta.num_input_tokens
         reason = delta.finish_reason
         if delta.logprobs is not None:
             steps = (steps or []) + delta.logprobs
+        ids += delta.token_ids or []
+        if not sent and prompt_ids is None:
+            prompt_ids = delta.prompt_token_ids
         if not stream:
             text.append(delta.text)
-        elif reason is not None:  # vLLM's output that finishes the request is its last
-            last = Delta(delta.text, tokens, reason, prompt, steps)
-            yield LastResponse(delta_tensors(last, outputs))
-        elif delta.text:
-            yield delta_tensors(Delta(delta.text, tokens, reason, prompt, steps), outputs)
-            tokens, steps = 0, None if steps is None else []
+        elif reason is not None or delta.text:  # vLLM's finishing output is its last
+            response = Delta(delta.text, tokens, reason, prompt, steps, ids, prompt_ids)
+            tensors = delta_tensors(response, outputs)
+            yield LastResponse(tensors) if reason is not None else tensors
+            tokens, steps, ids = 0, None if steps is None else [], []
+            prompt_ids, sent = None, True
     if not stream:
-        whole = Delta("".join(text), tokens, reason, prompt, steps)
+        whole = Delta("".join(text), tokens, reason, prompt, steps, ids, prompt_ids)
         yield LastResponse(delta_tensors(whole, outputs))

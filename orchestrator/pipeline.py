@@ -250,6 +250,7 @@ class EPDPipeline:
                 prompt_token_ids=prompt.token_ids,
                 handles=pulled_by,
                 sampling=sampling,
+                return_token_ids=request.outputs.token_ids,
             )
             stream = self._stream(route, message, ctx)
             try:
@@ -314,6 +315,7 @@ class EPDPipeline:
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
             sampling=sampling,
+            return_token_ids=request.outputs.token_ids,
             kv_transfer_params=result.kv_transfer_params,
         )
         route = self.routes["decode"]

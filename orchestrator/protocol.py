@@ -308,6 +308,8 @@ class PrefillDecodeRequest(_PromptRequest):
 
     handles: list[EmbeddingHandle] = Field(default_factory=list)
     sampling: SamplingOptions
+    return_token_ids: bool = False
+    """Answer the tokens' ids too (``token_ids``; the engine's prompt in the first)."""
 
 
 class DecodeRequest(_PromptRequest):
@@ -323,6 +325,8 @@ class DecodeRequest(_PromptRequest):
     image_hashes: list[str] = Field(default_factory=list)
     """Content hashes of the images (from their handles): vLLM's identity for them."""
     sampling: SamplingOptions
+    return_token_ids: bool = False
+    """Answer the tokens' ids too (``token_ids``; the engine's prompt in the first)."""
     kv_transfer_params: dict | None = None
     abandon: bool = False
     """The request ended after prefill and before its first token: unless decode's engine

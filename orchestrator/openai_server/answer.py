@@ -23,10 +23,16 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[StepLogprobs] = field(default_factory=list)
     """Each token's candidates, when the request asked for log-probabilities."""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    """The engine's prompt (when token ids were asked for)."""
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         self.logprobs.extend(delta.logprobs or [])
+        self.token_ids.extend(delta.token_ids or [])
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = delta.prompt_token_ids
         if delta.num_input_tokens:
             self.prompt_tokens = delta.num_input_tokens
         self.completion_tokens += delta.num_output_tokens
@@ -51,6 +57,8 @@ class Answer(ABC):
     continuous_usage: bool = False
     """Each chunk carries its choice's usage so far (``stream_options.include_usage`` with
     ``continuous_usage_stats``, as vLLM serves it)."""
+    token_ids: bool = False
+    """``return_token_ids``: the prompt's and the answer's token ids, as vLLM adds them."""
     top_logprobs: int | None = None
     """Candidates to list per token when the request asked for log-probabilities (the
     chat's ``top_logprobs``, the completions' ``logprobs``); ``None``: it did not."""

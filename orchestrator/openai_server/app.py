@@ -144,6 +144,7 @@ async def _chat_job(service: OpenAIService, body: Any) -> Job:
         per_prompt=len(inputs),  # one conversation
         top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         continuous_usage=_continuous_usage(request),
+        token_ids=bool(request.return_token_ids),
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "chat.completions")
 
@@ -154,7 +155,7 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
     inputs = completions.model_inputs(request, service.defaults)
     echo = []
     request_prompts = completions.prompts(request)
-    if request.echo:
+    if request.echo and not request.return_token_ids:  # vLLM echoes the ids instead
         tokenizer = (await service.tokens()).prompts.tokenizer
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in request_prompts]
         echo = [text for text in texts for _ in range(request.n)]
@@ -165,6 +166,7 @@ async def _completion_job(service: OpenAIService, body: Any) -> Job:
         per_prompt=request.n,
         top_logprobs=request.logprobs,
         continuous_usage=_continuous_usage(request),
+        token_ids=bool(request.return_token_ids),
         echo=echo,
     )
     return Job(model, inputs, answer, bool(request.stream), _usage(request), "completions")

@@ -139,6 +139,8 @@ async def model_inputs(request: Any, defaults: dict[str, Any], media: MediaLoade
     }
     if options.logprobs is not None:
         inputs["return_logprobs"] = np.array([True])
+    if request.return_token_ids:
+        inputs["return_token_ids"] = np.array([True])
     if (kwargs := template_kwargs(request)) != DEFAULT_TEMPLATE_KWARGS:
         encoded = json.dumps(kwargs).encode()
         inputs["chat_template_kwargs"] = np.array([encoded], dtype=np.object_)
@@ -159,32 +161,29 @@ class ChatAnswer(Answer):
 
     def opening(self) -> list[str]:
         role = DeltaMessage(role="assistant", content="")
-        return [
-            self._chunk(i, role, usage=self.choice_usage(i, completion=0))
-            for i in range(len(self.choices))
-        ]
+        chunks = []
+        for i, choice in enumerate(self.choices):
+            prompt = {"prompt_token_ids": choice.prompt_token_ids} if self.token_ids else {}
+            chunks.append(self._chunk(i, role, {}, {**prompt, **self.choice_usage(i, 0)}))
+        return chunks
 
     def event(self, index: int, delta: Delta) -> str | None:
         if not delta.text and delta.finish_reason is None:
             return None
+        fields: dict[str, Any] = {"finish_reason": delta.finish_reason}
+        if (logprobs := self._logprobs(delta.logprobs)) is not None:
+            fields["logprobs"] = logprobs
+        if self.token_ids:
+            fields["token_ids"] = delta.token_ids or []
         message = DeltaMessage(content=delta.text)
-        usage = self.choice_usage(index)
-        logprobs = self._logprobs(delta.logprobs)
-        return self._chunk(index, message, delta.finish_reason, logprobs, usage)
+        return self._chunk(index, message, fields, self.choice_usage(index))
 
     def _chunk(
-        self,
-        index: int,
-        delta: DeltaMessage,
-        finish: str | None = None,
-        logprobs: Any = None,
-        usage: dict[str, Any] | None = None,
+        self, index: int, delta: DeltaMessage, fields: dict[str, Any], extra: dict[str, Any]
     ) -> str:
-        extra = {} if logprobs is None else {"logprobs": logprobs}
-        choice = ChatCompletionResponseStreamChoice(
-            index=index, delta=delta, finish_reason=finish, **extra
-        )
-        return sse(self.stream_chunk([choice], **(usage or {})), exclude_unset=True)
+        """One chunk: choice ``index``'s ``delta`` and ``fields``; ``extra`` on the chunk."""
+        choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **fields)
+        return sse(self.stream_chunk([choice], **extra), exclude_unset=True)
 
     def _logprobs(self, steps: list[StepLogprobs] | None) -> ChatCompletionLogProbs | None:
         if self.top_logprobs is None:
@@ -198,9 +197,15 @@ class ChatAnswer(Answer):
                 message=ChatMessage(role="assistant", content="".join(answer.text)),
                 logprobs=self._logprobs(answer.logprobs),
                 finish_reason=answer.finish_reason or "stop",
+                token_ids=answer.token_ids if self.token_ids else None,
             )
             for i, answer in enumerate(self.choices)
         ]
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            prompt_token_ids=self.choices[0].prompt_token_ids if self.token_ids else None,
         )

@@ -85,6 +85,8 @@ def model_inputs(request: Any, defaults: dict[str, Any]) -> list[Tensors]:
     }
     if options.logprobs is not None:
         common["return_logprobs"] = np.array([True])
+    if request.return_token_ids:
+        common["return_token_ids"] = np.array([True])
     sets = []
     for i, prompt in enumerate(prompts(request)):
         if isinstance(prompt, str):
@@ -109,12 +111,19 @@ class CompletionAnswer(Answer):
     """Each choice's prompt text still to send (``echo``), emptied once it is."""
     offsets: dict[int, int] = field(default_factory=dict)
     """Where each choice's next streamed token starts in its text (for ``logprobs``)."""
+    prompted: set[int] = field(default_factory=set)
+    """Choices whose prompt token ids were streamed (``return_token_ids``)."""
 
     def event(self, index: int, delta: Delta) -> str | None:
         text = self._echoed(index) + delta.text
         if not text and delta.finish_reason is None:
             return None
-        extra = {}
+        extra: dict[str, Any] = {}
+        if self.token_ids:
+            extra["token_ids"] = delta.token_ids or []
+            if index not in self.prompted:  # the choice's first chunk
+                self.prompted.add(index)
+                extra["prompt_token_ids"] = self.choices[index].prompt_token_ids
         if self.top_logprobs is not None:
             logprobs = completion_logprobs(
                 delta.logprobs or [], self.top_logprobs, self.offsets.get(index, 0)
@@ -144,6 +153,8 @@ class CompletionAnswer(Answer):
                     else completion_logprobs(c.logprobs, self.top_logprobs)
                 ),
                 finish_reason=c.finish_reason or "stop",
+                prompt_token_ids=c.prompt_token_ids if self.token_ids else None,
+                token_ids=c.token_ids if self.token_ids else None,
             )
             for i, c in enumerate(self.choices)
         ]

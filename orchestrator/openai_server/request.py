@@ -29,6 +29,8 @@ COMMON_FIELDS = frozenset(
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
         "allowed_token_ids", "bad_words", "skip_special_tokens", "spaces_between_special_tokens",
         "response_format", "structured_outputs",
+        # vLLM's extension: the prompt's and the answer's token ids beside the text
+        "return_token_ids",
         # what vllm serve does not act on either
         "user",
     }

@@ -588,6 +588,54 @@ def test_usage_in_every_chunk_as_vllm_serve_sends_it(vllm_serve, stack, client, 
             assert total == theirs, model
 
 
+TOKEN_IDS = {
+    "chat, photo": {"messages": CASES["photo"]},
+    "chat, two images": {"messages": CASES["two images interleaved"]},
+    "completions, two prompts": {"prompt": ["Once upon a time", "The cat"]},
+}
+"""``return_token_ids`` (vLLM's extension) on both endpoints, with and without images."""
+
+
+def _token_ids(client: openai.OpenAI, model: str, case: str, stream: bool) -> dict:
+    """Each choice's prompt token ids (as the engine took the prompt) and answer token ids,
+    and the text, from a whole answer or its chunks."""
+    request = {"model": model, "stream": stream, **GREEDY, **TOKEN_IDS[case]}
+    chat = "messages" in request
+    api = client.chat.completions if chat else client.completions
+    answer = api.create(**request, extra_body={"return_token_ids": True})
+    prompts: dict[int, list[int]] = {}
+    tokens: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    for chunk in answer if stream else [answer]:
+        for choice in chunk.choices:
+            i = choice.index
+            owner = chunk if chat else choice
+            if getattr(owner, "prompt_token_ids", None) is not None:
+                assert i not in prompts or not stream, "prompt ids are sent once per choice"
+                prompts[i] = owner.prompt_token_ids
+            tokens[i] = tokens.get(i, []) + (getattr(choice, "token_ids", None) or [])
+            if chat:
+                text = (choice.delta.content if stream else choice.message.content) or ""
+            else:
+                text = choice.text
+            texts[i] = texts.get(i, "") + text
+    return {"prompts": prompts, "tokens": tokens, "texts": texts}
+
+
+@pytest.mark.parametrize("case", list(TOKEN_IDS))
+def test_token_ids_are_vllm_serves(vllm_serve, stack, client, case):
+    """The prompt as the engine took it (each image's tokens in place) and the answer's
+    token ids, choice by choice, as ``vllm serve`` returns them, through ``epd`` (E/P/D)
+    and ``aggregated``, whole and streamed (the prompt in each choice's first chunk)."""
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    theirs = _token_ids(peer, "tiny", case, stream=False)
+    assert all(len(t) == GREEDY["max_tokens"] for t in theirs["tokens"].values()), theirs
+    assert theirs["prompts"] and all(theirs["prompts"].values()), theirs
+    for model in ("epd", "aggregated"):
+        for stream in (False, True):
+            assert _token_ids(client, model, case, stream) == theirs, (model, stream)
+
+
 LOGPROBS = {
     "chat, photo, top 3": {"messages": CASES["photo"], "logprobs": True, "top_logprobs": 3},
     "chat, two images, the tokens alone": {

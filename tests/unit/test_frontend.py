@@ -152,7 +152,7 @@ def test_optional_outputs_follow_vllm_backend():
         yield Delta("c", 1, "length", 7)
 
     async def collect(stream: bool):
-        outputs = ExtraOutputs.every(logprobs=False)
+        outputs = ExtraOutputs.every(logprobs=False, token_ids=False)
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
@@ -202,14 +202,18 @@ def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
         {"6": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
          "7": {"logprob": -0.3, "rank": 1, "decoded_token": "B"}},
     ]  # fmt: skip
-    [whole] = asyncio.run(_collect(completion_responses(deltas(), False, ExtraOutputs.every(True))))
+    [whole] = asyncio.run(
+        _collect(completion_responses(deltas(), False, ExtraOutputs.every(True, False)))
+    )
     back = tensors_delta(whole)
     assert back.logprobs == [a, b, c] and list(back.logprobs[0]) == [5, 9]  # order kept
 
     async def unasked():
         yield Delta("x", 1, "stop", 7)
 
-    [none] = asyncio.run(_collect(completion_responses(unasked(), False, ExtraOutputs.every(True))))
+    [none] = asyncio.run(
+        _collect(completion_responses(unasked(), False, ExtraOutputs.every(True, False)))
+    )
     assert none["logprobs"][0] == b"null" and tensors_delta(none).logprobs is None
 
 
@@ -370,3 +374,22 @@ def test_the_template_gets_the_variables_it_reads_as_vllm_passes_them(hub_checkp
     kwargs = {"add_generation_prompt": False, "continue_final_message": True}
     assert prompts.build_chat(started, kwargs).endswith("Once upon")
     assert not prompts.build_chat(started, {"add_generation_prompt": False}).endswith("Once upon")
+
+
+def test_token_ids_ride_with_their_tokens_and_the_prompt_with_the_first():
+    async def deltas():
+        yield Delta("", 1, None, 3, None, [7], [1, 2, 3])  # a token with no text yet
+        yield Delta("ab", 1, None, 3, None, [8], [1, 2, 3])
+        yield Delta("c", 1, "stop", 3, None, [9], [1, 2, 3])
+
+    outputs = ExtraOutputs.every(logprobs=False, token_ids=True)
+    streamed = asyncio.run(_collect(completion_responses(deltas(), True, outputs)))
+    assert [r["token_ids"].tolist() for r in streamed] == [[7, 8], [9]]
+    assert ["prompt_token_ids" in r for r in streamed] == [True, False]
+    assert tensors_delta(streamed[0]).prompt_token_ids == [1, 2, 3]
+    [whole] = asyncio.run(_collect(completion_responses(deltas(), False, outputs)))
+    assert whole["token_ids"].tolist() == [7, 8, 9]
+    assert whole["prompt_token_ids"].tolist() == [1, 2, 3]
+    plain = ExtraOutputs.every(logprobs=False, token_ids=False)
+    [unasked] = asyncio.run(_collect(completion_responses(deltas(), False, plain)))
+    assert "token_ids" not in unasked and "prompt_token_ids" not in unasked
