@@ -509,7 +509,9 @@ class Delta:
 
 
 async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
-    """``Delta``s of vLLM ``RequestOutput``s streamed with ``RequestOutputKind.DELTA``."""
+    """``Delta``s of vLLM ``RequestOutput``s streamed with ``RequestOutputKind.DELTA`` (the
+    prompt's ids in the first only)."""
+    first = True
     async for out in outputs:
         answer = out.outputs[0]
         prompt = out.prompt_token_ids
@@ -526,16 +528,18 @@ async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
             len(prompt) if prompt is not None else None,
             steps,
             list(answer.token_ids),
-            None if prompt is None else list(prompt),
+            None if prompt is None or not first else list(prompt),
         )
+        first = False
 
 
-DELTA_OUTPUTS = [
-    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs",
-    "token_ids", "prompt_token_ids",
-]  # fmt: skip
-"""A response of ``delta_tensors`` with every output (what ``tensors_delta`` reads);
-``logprobs`` and the token ids only where the request asked for them."""
+def delta_outputs(logprobs: bool, token_ids: bool) -> list[str]:
+    """The outputs a caller asks of a response of ``delta_tensors`` with every output
+    (what ``tensors_delta`` reads): ``logprobs`` and the token ids only when the request
+    wants them, so a server that does not declare them (one of an older release, during a
+    rolling upgrade) still answers every other request."""
+    names = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    return names + ["logprobs"] * logprobs + ["token_ids", "prompt_token_ids"] * token_ids
 
 
 def _logprobs_json(steps: list[StepLogprobs] | None) -> bytes:

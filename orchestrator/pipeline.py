@@ -25,12 +25,12 @@ from orchestrator.auth import DeploymentKey
 from orchestrator.config import StageName, Topology
 from orchestrator.context import RequestContext
 from orchestrator.frontend import (
-    DELTA_OUTPUTS,
     Delta,
     FrontRequest,
     Prompt,
     PromptBuilder,
     completion_responses,
+    delta_outputs,
     parse_front_request,
     tensors_delta,
 )
@@ -276,7 +276,8 @@ class EPDPipeline:
         try:
             with route.use(name) as client:
                 tensors = to_tensor("request", message)
-                async for response in client.call(route.stage, tensors, DELTA_OUTPUTS, ctx):
+                names = _outputs_of(message)
+                async for response in client.call(route.stage, tensors, names, ctx):
                     yield tensors_delta(response)
         except StageUnreachable as exc:
             route.mark_down(name, str(exc))
@@ -323,7 +324,8 @@ class EPDPipeline:
         first = True
         try:
             with route.use(name) as decoder:
-                responses = decoder.call("decode", to_tensor("request", decode), DELTA_OUTPUTS, ctx)
+                tensors = to_tensor("request", decode)
+                responses = decoder.call("decode", tensors, _outputs_of(decode), ctx)
                 async for delta in _deltas(responses, result.num_prompt_tokens):
                     first = False
                     yield delta
@@ -507,6 +509,11 @@ class EPDPipeline:
                 await client.close()
             if self._owns_replies:
                 await self.replies.close()
+
+
+def _outputs_of(request: PrefillDecodeRequest | DecodeRequest) -> list[str]:
+    """What to ask of the engine stage answering ``request``."""
+    return delta_outputs(request.sampling.logprobs is not None, request.return_token_ids)
 
 
 async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:
