@@ -43,6 +43,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("model") / "tiny", profile="tiny", seed=0)
 
 
+ANIMAL = {
+    "type": "object",
+    "properties": {"animal": {"enum": ["cat", "dog", "bird"]}, "alone": {"type": "boolean"}},
+    "required": ["animal", "alone"],
+    "additionalProperties": False,
+}
+"""A JSON schema with a short answer (an enum and a boolean), for guided decoding tests."""
+
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 """Every supported family; each gets a random checkpoint laid out as a hub download."""
 

@@ -25,7 +25,7 @@ from PIL import Image
 
 from orchestrator.client import generate_body, request_inputs, sample_photo, stream
 from orchestrator.config import Topology
-from tests.conftest import EPD_LAYOUT, cache_metrics, local_topology, wait_unpinned
+from tests.conftest import ANIMAL, EPD_LAYOUT, cache_metrics, local_topology, wait_unpinned
 
 pytestmark = pytest.mark.server
 
@@ -50,12 +50,6 @@ CASES = {
 STRUCTURED_MAX_TOKENS = 64
 """Room for a guided answer to end on its own (byte-level tokens on the tiny model)."""
 
-ANIMAL = {
-    "type": "object",
-    "properties": {"animal": {"enum": ["cat", "dog", "bird"]}, "alone": {"type": "boolean"}},
-    "required": ["animal", "alone"],
-    "additionalProperties": False,
-}
 STRUCTURED = {
     "choice_photo": (
         "What animal is this?",

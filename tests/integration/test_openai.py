@@ -22,7 +22,7 @@ import pytest
 from epd_bench import openai_peer
 from orchestrator.client import sample_photo
 from orchestrator.triton.deployment import Deployment
-from tests.conftest import EPD_LAYOUT, local_topology, running_deployment, scrape
+from tests.conftest import ANIMAL, EPD_LAYOUT, local_topology, running_deployment, scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -463,12 +463,6 @@ def test_completions_answer_as_vllm_serve_does(vllm_serve, stack, client, case):
             assert _completion(client, model, case, stream) == theirs, (model, stream)
 
 
-ANIMAL = {
-    "type": "object",
-    "properties": {"animal": {"enum": ["cat", "dog", "bird"]}, "alone": {"type": "boolean"}},
-    "required": ["animal", "alone"],
-    "additionalProperties": False,
-}
 GUIDED = {
     "json schema, photo": {
         "messages": CASES["photo"],
