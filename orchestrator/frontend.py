@@ -30,7 +30,15 @@ import numpy as np
 from orchestrator.config import Limits, Topology
 from orchestrator.encoder.preprocess import ImageTooLarge, open_image
 from orchestrator.llm import LLMRole, engine_args
-from orchestrator.protocol import InvalidRequest, LastResponse, SamplingOptions, Tensors, TooLarge
+from orchestrator.protocol import (
+    DecodeRequest,
+    InvalidRequest,
+    LastResponse,
+    PrefillDecodeRequest,
+    SamplingOptions,
+    Tensors,
+    TooLarge,
+)
 
 CHAT_ROLES = ("system", "user", "assistant")
 """Roles a ``messages`` turn may have (tool turns need tool calling, which is not served)."""
@@ -50,11 +58,27 @@ class ExtraOutputs:
     placeholders expanded) in the first."""
 
     @classmethod
-    def every(cls, logprobs: bool, token_ids: bool) -> ExtraOutputs:
-        """What a stage answers its caller: all of them, ``logprobs`` only when the request's
-        sampling asks vLLM for them and token ids only when the client asked for them (a
-        tensor less per token to carry otherwise)."""
-        return cls(True, True, True, logprobs, token_ids)
+    def asked_by(cls, inputs: Tensors) -> ExtraOutputs:
+        """The ``return_*`` flags of a request's inputs."""
+        return cls(*(_flag(inputs, f"return_{name}") for name in cls.__dataclass_fields__))
+
+    @classmethod
+    def of_stage(cls, request: PrefillDecodeRequest | DecodeRequest) -> ExtraOutputs:
+        """What an engine stage answers its caller (and the caller asks of it): the token
+        counts and finish reason always, ``logprobs`` when the request's sampling asks vLLM
+        for them, token ids when the client asked for them (a tensor less per token
+        otherwise)."""
+        logprobs = request.sampling.logprobs is not None
+        return cls(True, True, True, logprobs, request.return_token_ids)
+
+    def names(self) -> list[str]:
+        """The outputs a response of ``delta_tensors`` with these holds, which is what a
+        caller asks for: only those wanted, so a server of an older release that does not
+        declare a newer output still answers every request that does not want it."""
+        names = ["text_output"]
+        names += [n for n in ("finish_reason", "num_input_tokens", "num_output_tokens",
+                              "logprobs") if getattr(self, n)]  # fmt: skip
+        return names + ["token_ids", "prompt_token_ids"] * self.token_ids
 
 
 RawPrompt = str | list[int]
@@ -275,9 +299,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         images.append(data)
 
     sampling = SamplingOptions.parse(raw_sampling)
-    outputs = ExtraOutputs(
-        *(_flag(inputs, f"return_{name}") for name in ExtraOutputs.__dataclass_fields__)
-    )
+    outputs = ExtraOutputs.asked_by(inputs)
     return FrontRequest(
         messages,
         images,
@@ -531,15 +553,6 @@ async def deltas_of(outputs: AsyncIterator[Any]) -> AsyncIterator[Delta]:
             None if prompt is None or not first else list(prompt),
         )
         first = False
-
-
-def delta_outputs(logprobs: bool, token_ids: bool) -> list[str]:
-    """The outputs a caller asks of a response of ``delta_tensors`` with every output
-    (what ``tensors_delta`` reads): ``logprobs`` and the token ids only when the request
-    wants them, so a server that does not declare them (one of an older release, during a
-    rolling upgrade) still answers every other request."""
-    names = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
-    return names + ["logprobs"] * logprobs + ["token_ids", "prompt_token_ids"] * token_ids
 
 
 def _logprobs_json(steps: list[StepLogprobs] | None) -> bytes:

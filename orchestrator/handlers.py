@@ -468,8 +468,8 @@ class PrefillDecodeHandler(_PullingHandler):
         prompt = await self.puller.prompt(request.prompt_token_ids, request.handles, ctx)
         sampling = to_vllm_sampling(request.sampling)
         outputs = self.engine.generate(prompt, sampling, request.request_id)
-        every = ExtraOutputs.every(request.sampling.logprobs is not None, request.return_token_ids)
-        responses = completion_responses(deltas_of(outputs), True, every)
+        answered = ExtraOutputs.of_stage(request)
+        responses = completion_responses(deltas_of(outputs), True, answered)
         async for response in _timing_first_token(responses, ctx):
             yield response
 
@@ -520,10 +520,8 @@ class DecodeHandler(_EngineHandler):
         try:
             outputs = self.engine.generate(prompt, sampling, request.request_id)
             deltas = deltas_of(outputs)
-            every = ExtraOutputs.every(
-                request.sampling.logprobs is not None, request.return_token_ids
-            )
-            responses = completion_responses(deltas, True, every)
+            answered = ExtraOutputs.of_stage(request)
+            responses = completion_responses(deltas, True, answered)
             async for response in _timing_first_token(responses, ctx):
                 yield response
         finally:

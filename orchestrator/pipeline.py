@@ -26,11 +26,11 @@ from orchestrator.config import StageName, Topology
 from orchestrator.context import RequestContext
 from orchestrator.frontend import (
     Delta,
+    ExtraOutputs,
     FrontRequest,
     Prompt,
     PromptBuilder,
     completion_responses,
-    delta_outputs,
     parse_front_request,
     tensors_delta,
 )
@@ -276,7 +276,7 @@ class EPDPipeline:
         try:
             with route.use(name) as client:
                 tensors = to_tensor("request", message)
-                names = _outputs_of(message)
+                names = ExtraOutputs.of_stage(message).names()
                 async for response in client.call(route.stage, tensors, names, ctx):
                     yield tensors_delta(response)
         except StageUnreachable as exc:
@@ -325,7 +325,8 @@ class EPDPipeline:
         try:
             with route.use(name) as decoder:
                 tensors = to_tensor("request", decode)
-                responses = decoder.call("decode", tensors, _outputs_of(decode), ctx)
+                names = ExtraOutputs.of_stage(decode).names()
+                responses = decoder.call("decode", tensors, names, ctx)
                 async for delta in _deltas(responses, result.num_prompt_tokens):
                     first = False
                     yield delta
@@ -509,11 +510,6 @@ class EPDPipeline:
                 await client.close()
             if self._owns_replies:
                 await self.replies.close()
-
-
-def _outputs_of(request: PrefillDecodeRequest | DecodeRequest) -> list[str]:
-    """What to ask of the engine stage answering ``request``."""
-    return delta_outputs(request.sampling.logprobs is not None, request.return_token_ids)
 
 
 async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:

@@ -178,11 +178,10 @@ class StructuredOutputs(_Wire):
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredOutputs:
         dumped = self.vllm_kwargs()
-        kinds = ", ".join(k for k in STRUCTURED_KINDS if dumped[k] is not None)
-        if not kinds or "," in kinds:
-            raise ValueError(
-                f"set exactly one of {', '.join(STRUCTURED_KINDS)} (got {kinds or 'none'})"
-            )
+        kinds = [k for k in STRUCTURED_KINDS if dumped[k] is not None]
+        if len(kinds) != 1:
+            got = ", ".join(kinds) or "none"
+            raise ValueError(f"set exactly one of {', '.join(STRUCTURED_KINDS)} (got {got})")
         return self
 
     def vllm_kwargs(self) -> dict:

@@ -37,7 +37,7 @@ def chat_logprobs(steps: list[StepLogprobs], top: int | None) -> ChatCompletionL
     log-probability and the ``top`` likeliest candidates at its step (-1: all returned)."""
     content = []
     for step in steps:
-        (token_id, sampled), *_ = step.items()
+        token_id, sampled = next(iter(step.items()))  # the sampled token comes first
         token = _token(token_id, sampled)
         alternatives = [
             ChatCompletionLogProb(
@@ -63,7 +63,7 @@ def completion_logprobs(steps: list[StepLogprobs], top: int, offset: int = 0) ->
     likeliest candidates at each step, and where each token starts in the text."""
     tokens, token_logprobs, alternatives, offsets = [], [], [], []
     for step in steps:
-        (token_id, sampled), *_ = step.items()
+        token_id, sampled = next(iter(step.items()))  # the sampled token comes first
         token = _token(token_id, sampled)
         tokens.append(token)
         token_logprobs.append(max(sampled.logprob, FLOOR))

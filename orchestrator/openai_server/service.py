@@ -18,7 +18,7 @@ from orchestrator import tracing
 from orchestrator.auth import DeploymentKey
 from orchestrator.config import Topology
 from orchestrator.context import RequestContext
-from orchestrator.frontend import Delta, context_length, delta_outputs, tensors_delta
+from orchestrator.frontend import Delta, ExtraOutputs, context_length, tensors_delta
 from orchestrator.openai_server.media import MediaLoader
 from orchestrator.openai_server.request import generation_defaults
 from orchestrator.openai_server.tokens import Tokens
@@ -164,7 +164,7 @@ class OpenAIService:
         if model == "epd" and self.pipeline is not None:
             responses = self._epd(self.pipeline, inputs, ctx)
         else:
-            names = delta_outputs("return_logprobs" in inputs, "return_token_ids" in inputs)
+            names = ExtraOutputs.asked_by(inputs).names()
             responses = self.client.call(model, inputs, names, ctx)
         async with contextlib.aclosing(responses) as rs:
             async for tensors in rs:

@@ -152,7 +152,7 @@ def test_optional_outputs_follow_vllm_backend():
         yield Delta("c", 1, "length", 7)
 
     async def collect(stream: bool):
-        outputs = ExtraOutputs.every(logprobs=False, token_ids=False)
+        outputs = ExtraOutputs(True, True, True, logprobs=False, token_ids=False)
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
@@ -203,7 +203,9 @@ def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
          "7": {"logprob": -0.3, "rank": 1, "decoded_token": "B"}},
     ]  # fmt: skip
     [whole] = asyncio.run(
-        _collect(completion_responses(deltas(), False, ExtraOutputs.every(True, False)))
+        _collect(
+            completion_responses(deltas(), False, ExtraOutputs(True, True, True, logprobs=True))
+        )
     )
     back = tensors_delta(whole)
     assert back.logprobs == [a, b, c] and list(back.logprobs[0]) == [5, 9]  # order kept
@@ -212,7 +214,9 @@ def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
         yield Delta("x", 1, "stop", 7)
 
     [none] = asyncio.run(
-        _collect(completion_responses(unasked(), False, ExtraOutputs.every(True, False)))
+        _collect(
+            completion_responses(unasked(), False, ExtraOutputs(True, True, True, logprobs=True))
+        )
     )
     assert none["logprobs"][0] == b"null" and tensors_delta(none).logprobs is None
 
@@ -382,7 +386,7 @@ def test_token_ids_ride_with_their_tokens_and_the_prompt_with_the_first():
         yield Delta("ab", 1, None, 3, None, [8], [1, 2, 3])
         yield Delta("c", 1, "stop", 3, None, [9], [1, 2, 3])
 
-    outputs = ExtraOutputs.every(logprobs=False, token_ids=True)
+    outputs = ExtraOutputs(True, True, True, logprobs=False, token_ids=True)
     streamed = asyncio.run(_collect(completion_responses(deltas(), True, outputs)))
     assert [r["token_ids"].tolist() for r in streamed] == [[7, 8], [9]]
     assert ["prompt_token_ids" in r for r in streamed] == [True, False]
@@ -390,6 +394,8 @@ def test_token_ids_ride_with_their_tokens_and_the_prompt_with_the_first():
     [whole] = asyncio.run(_collect(completion_responses(deltas(), False, outputs)))
     assert whole["token_ids"].tolist() == [7, 8, 9]
     assert whole["prompt_token_ids"].tolist() == [1, 2, 3]
-    plain = ExtraOutputs.every(logprobs=False, token_ids=False)
+    plain = ExtraOutputs(True, True, True, logprobs=False, token_ids=False)
     [unasked] = asyncio.run(_collect(completion_responses(deltas(), False, plain)))
     assert "token_ids" not in unasked and "prompt_token_ids" not in unasked
+    # what a caller asks for is what such responses hold: nothing an older server lacks
+    assert set(outputs.names()) == set(whole) and set(plain.names()) == set(unasked)
