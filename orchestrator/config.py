@@ -238,6 +238,13 @@ class RoutingSpec(_Spec):
     again. A name that stands for several pods (a headless Kubernetes Service whose
     Deployment an autoscaler resizes) gains the new pods within this period; calls are
     spread over all of them (round robin per call)."""
+    max_local_prefill_tokens: int = Field(default=0, ge=0)
+    """E/P/D: a text-only prompt of at most this many tokens skips the prefill server and is
+    prefilled by decode's own engine (no prefill call, no KV transfer), as Dynamo's
+    conditional disaggregation (``max_local_prefill_length``) and TensorRT-LLM's
+    (``ConditionalDisaggConfig``) do: a short prefill costs decode less than the hop and the
+    KV pull cost the request. Prompts with images always go to prefill (decode pulls no
+    embeddings). 0: every prompt goes to prefill. E/P/D topologies only."""
     reply_channel: bool = True
     """Stages write their responses straight to the front over a TCP connection of their
     own (``orchestrator/reply_channel.py``) instead of back through Triton; requests,
@@ -314,6 +321,12 @@ class Topology(_Spec):
             problems.append("no server hosts an entry point: add 'epd' or 'aggregated'")
         if "epd" in hosting:
             problems += _epd_route_problems(hosting)
+        if self.routing.max_local_prefill_tokens and "pd" in hosting:
+            problems.append(
+                "routing.max_local_prefill_tokens sends short prompts past the prefill "
+                "server (E/P/D); with 'pd' (E+PD) every prompt is prefilled locally already: "
+                "leave it 0"
+            )
         for name, server in self.servers.items():
             public, internal = _split(server.stages)
             if public and internal:

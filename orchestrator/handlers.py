@@ -475,7 +475,8 @@ class PrefillDecodeHandler(_PullingHandler):
 
 
 class DecodeHandler(_EngineHandler):
-    """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text."""
+    """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text; a
+    short text-only prompt sent without KV (conditional disaggregation) is prefilled here."""
 
     role = "decode"
 
@@ -514,8 +515,13 @@ class DecodeHandler(_EngineHandler):
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        extra = {"kv_transfer_params": request.kv_transfer_params}
-        sampling = to_vllm_sampling(request.sampling, extra_args=extra)
+        if request.kv_transfer_params is None:  # prefilled here: a short prompt, no KV pull
+            if request.images:
+                raise InvalidRequest("decode prefills text-only prompts: images need prefill")
+            sampling = to_vllm_sampling(request.sampling)
+        else:
+            extra = {"kv_transfer_params": request.kv_transfer_params}
+            sampling = to_vllm_sampling(request.sampling, extra_args=extra)
         self.admitted.add(request.request_id)
         try:
             outputs = self.engine.generate(prompt, sampling, request.request_id)

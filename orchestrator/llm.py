@@ -139,6 +139,8 @@ class LLMEngine:
 
         self.scheduler_stats: Any = None
         """The engine core's latest ``SchedulerStats`` (sent with each step's outputs)."""
+        self.admitted = 0
+        """Requests vLLM has taken in so far."""
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**args), stat_loggers=[_recorder(self)]
         )
@@ -179,6 +181,7 @@ class LLMEngine:
             raise
         except (ValueError, VLLMClientError) as exc:  # vLLM's input checks (length, limits)
             raise InvalidRequest(str(exc)) from None
+        self.admitted += 1
         finished = False
         try:
             while not finished:

@@ -203,7 +203,14 @@ class RegistryPublisher:
 
 
 def publish_engine(metrics: MetricsPublisher, engine: Any, role: str) -> None:
-    """Gauges of one vLLM engine (an ``llm.LLMEngine``): what it is still working on."""
+    """Series of one vLLM engine (an ``llm.LLMEngine``): what it took in and what it is
+    still working on."""
+    metrics.counter(
+        "epd_engine_requests_total",
+        "Requests the vLLM engine has taken in",
+        lambda: engine.admitted,
+        role=role,
+    )
     metrics.gauge(
         "epd_engine_unfinished_requests",
         "Requests the vLLM engine has neither finished nor aborted",

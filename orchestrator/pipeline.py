@@ -120,6 +120,14 @@ class EPDPipeline:
             topo.routing.idle_health_interval_s,
         )
         self.metrics = metrics
+        self.local_prefills = 0
+        if not self.one_engine:
+            self.metrics.counter(
+                "epd_local_prefills_total",
+                "E/P/D requests whose prompt decode prefilled itself, past the prefill "
+                "servers (routing.max_local_prefill_tokens)",
+                lambda: self.local_prefills,
+            )
         self.seconds = {
             phase: self.metrics.histogram(
                 "epd_request_phase_seconds",
@@ -177,8 +185,12 @@ class EPDPipeline:
         request = parse_front_request(inputs, self.limits)
         prompt = await self.prompts.render(request)
         self.prompts.fit(prompt, [], request.sampling)  # too long already: no image is encoded
-        stages = ("encode", *self.llm_stages) if request.images else self.llm_stages
-        for stage in stages:  # text-only requests do not need an encoder
+        if request.images:
+            stages = ("encode", *self.llm_stages)
+        else:  # text-only requests do not need an encoder, short ones on E/P/D no prefill
+            local = self._prefilled_by_decode(prompt, request)
+            stages = ("decode",) if local else self.llm_stages
+        for stage in stages:
             await self.routes[stage].require(self.routing.probe_timeout_s)
 
         handles, holders = await self._encode_all(request.images, ctx)
@@ -292,7 +304,8 @@ class EPDPipeline:
         ctx: RequestContext,
     ) -> AsyncIterator[Delta]:
         """E/P/D: prefill pulls the embeddings and computes the KV; decode pulls the KV and
-        streams the answer."""
+        streams the answer. A short text-only prompt is prefilled by decode itself
+        (``routing.max_local_prefill_tokens``)."""
         started = time.perf_counter()
 
         async def prefill(
@@ -305,19 +318,24 @@ class EPDPipeline:
             )
             return await self._prefill_to_the_end(message, ctx)
 
-        result, handles, sampling = await self._start(
-            prefill, prompt, request, handles, holders, ctx
-        )
-        self.seconds["prefill"].observe(time.perf_counter() - started)
+        result: PrefillResult | None = None
+        if self._prefilled_by_decode(prompt, request):
+            self.local_prefills += 1
+            _, sampling = self.prompts.fit(prompt, [], request.sampling)
+        else:
+            result, handles, sampling = await self._start(
+                prefill, prompt, request, handles, holders, ctx
+            )
+            self.seconds["prefill"].observe(time.perf_counter() - started)
         decode = DecodeRequest(
             request_id=ctx.request_id,
             prompt_token_ids=prompt.token_ids,
-            prefilled_token_ids=result.prompt_token_ids,
+            prefilled_token_ids=result and result.prompt_token_ids,
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
             sampling=sampling,
             return_token_ids=request.outputs.token_ids,
-            kv_transfer_params=result.kv_transfer_params,
+            kv_transfer_params=result and result.kv_transfer_params,
         )
         route = self.routes["decode"]
         name = route.choose()
@@ -327,7 +345,8 @@ class EPDPipeline:
                 tensors = to_tensor("request", decode)
                 names = ExtraOutputs.of_stage(decode).names()
                 responses = decoder.call("decode", tensors, names, ctx)
-                async for delta in _deltas(responses, result.num_prompt_tokens):
+                prompt_tokens = result and result.num_prompt_tokens
+                async for delta in _deltas(responses, prompt_tokens):
                     first = False
                     yield delta
         except BaseException as exc:
@@ -338,6 +357,12 @@ class EPDPipeline:
                 kv_params = decode.kv_transfer_params
                 await self._cleanup(self._abandon(ctx.request_id, kv_params, name))
             raise
+
+    def _prefilled_by_decode(self, prompt: Prompt, request: FrontRequest) -> bool:
+        """Conditional disaggregation on E/P/D: whether a prompt is text only and short
+        enough (``routing.max_local_prefill_tokens``) for decode to prefill it itself."""
+        limit = self.routing.max_local_prefill_tokens
+        return not (self.one_engine or request.images) and 0 < prompt.text_tokens <= limit
 
     async def _cleanup(self, work: Awaitable[None]) -> None:
         """Run cleanup of a failed or cancelled request, bounded: it must not hold the
@@ -512,8 +537,13 @@ class EPDPipeline:
                 await self.replies.close()
 
 
-async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:
-    """Decode's steps; the prompt's length is prefill's count (the tokens it computed)."""
+async def _deltas(
+    responses: AsyncIterator[Tensors], prompt_tokens: int | None
+) -> AsyncIterator[Delta]:
+    """Decode's steps; the prompt's length is prefill's count (the tokens it computed), or
+    decode's own when it prefilled (``None``)."""
     async for tensors in responses:
         delta = tensors_delta(tensors)
-        yield dataclasses.replace(delta, num_input_tokens=prompt_tokens)
+        if prompt_tokens is not None:
+            delta = dataclasses.replace(delta, num_input_tokens=prompt_tokens)
+        yield delta

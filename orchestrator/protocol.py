@@ -327,6 +327,8 @@ class DecodeRequest(_PromptRequest):
     return_token_ids: bool = False
     """Answer the tokens' ids too (``token_ids``; the engine's prompt in the first)."""
     kv_transfer_params: dict | None = None
+    """Where prefill holds the prompt's KV (vLLM's, from ``PrefillResult``); ``None``: a
+    text-only prompt decode prefills itself (``routing.max_local_prefill_tokens``)."""
     abandon: bool = False
     """The request ended after prefill and before its first token: unless decode's engine
     already has it (then vLLM's own abort frees prefill's KV, or lets a READ in flight

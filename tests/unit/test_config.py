@@ -77,6 +77,16 @@ def test_invalid_topologies_say_what_to_fix(servers, message):
     assert message in str(err.value)
 
 
+def test_local_prefill_is_an_e_p_d_setting():
+    """Conditional disaggregation routes past prefill servers; E+PD has none."""
+    e_p_d = default_topology(Path("/m"), "E/P/D").model_dump()
+    e_p_d["routing"] = {"max_local_prefill_tokens": 256}
+    assert Topology.model_validate(e_p_d).routing.max_local_prefill_tokens == 256
+    e_pd = {**default_topology(Path("/m")).model_dump(), "routing": e_p_d["routing"]}
+    with pytest.raises(ValueError, match="with 'pd' .* leave it 0"):
+        Topology.model_validate(e_pd)
+
+
 def test_same_port_on_different_hosts_is_fine():
     Topology(
         model=Path("/m"),
