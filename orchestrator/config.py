@@ -239,12 +239,12 @@ class RoutingSpec(_Spec):
     Deployment an autoscaler resizes) gains the new pods within this period; calls are
     spread over all of them (round robin per call)."""
     max_local_prefill_tokens: int = Field(default=0, ge=0)
-    """E/P/D: a text-only prompt of at most this many tokens skips the prefill server and is
-    prefilled by decode's own engine (no prefill call, no KV transfer), as Dynamo's
-    conditional disaggregation (``max_local_prefill_length``) and TensorRT-LLM's
-    (``ConditionalDisaggConfig``) do: a short prefill costs decode less than the hop and the
-    KV pull cost the request. Prompts with images always go to prefill (decode pulls no
-    embeddings). 0: every prompt goes to prefill. E/P/D topologies only."""
+    """E/P/D: a prompt of at most this many tokens (its images' tokens counted) skips the
+    prefill server: decode's own engine pulls its images' embeddings and prefills it (no
+    prefill call, no KV transfer), as Dynamo's conditional disaggregation
+    (``max_local_prefill_length``) and TensorRT-LLM's (``ConditionalDisaggConfig``) do: a
+    short prefill costs decode less than the extra hop and the KV's move cost the request.
+    0: every prompt goes to prefill. E/P/D topologies only."""
     reply_channel: bool = True
     """Stages write their responses straight to the front over a TCP connection of their
     own (``orchestrator/reply_channel.py``) instead of back through Triton; requests,
@@ -321,7 +321,7 @@ class Topology(_Spec):
             problems.append("no server hosts an entry point: add 'epd' or 'aggregated'")
         if "epd" in hosting:
             problems += _epd_route_problems(hosting)
-        if self.routing.max_local_prefill_tokens and "pd" in hosting:
+        if self.local_prefill and "pd" in hosting:
             problems.append(
                 "routing.max_local_prefill_tokens sends short prompts past the prefill "
                 "server (E/P/D); with 'pd' (E+PD) every prompt is prefilled locally already: "
@@ -362,6 +362,12 @@ class Topology(_Spec):
         if problems:
             raise ValueError("invalid topology: " + "; ".join(problems))
         return self
+
+    @property
+    def local_prefill(self) -> bool:
+        """E/P/D's decode engines prefill short prompts themselves (conditional
+        disaggregation): they pull embeddings too."""
+        return self.routing.max_local_prefill_tokens > 0
 
     @property
     def one_engine(self) -> bool:

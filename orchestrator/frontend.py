@@ -367,6 +367,11 @@ class Prompt:
     def text_tokens(self) -> int:
         return len(self.token_ids)
 
+    def length(self, image_tokens: list[int]) -> int:
+        """Tokens the engine computes once each image's placeholder expands to its
+        ``image_tokens`` (every family's template writes one placeholder per image)."""
+        return self.text_tokens - len(image_tokens) + sum(image_tokens)
+
 
 class PromptBuilder:
     """Applies the model's own chat template with one image slot per image."""
@@ -484,7 +489,7 @@ class PromptBuilder:
         vLLM's OpenAI server does); ``InvalidRequest`` if it cannot fit. Every family's
         template writes one placeholder token per image, so with no ``image_tokens`` given
         this is a lower bound: what does not fit then never will."""
-        total = prompt.text_tokens - len(image_tokens) + sum(image_tokens)
+        total = prompt.length(image_tokens)
         max_tokens = sampling.max_tokens
         if total >= self.max_model_len or total + (max_tokens or 0) > self.max_model_len:
             asked = f" + max_tokens ({max_tokens})" if max_tokens else ""

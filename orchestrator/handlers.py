@@ -475,16 +475,25 @@ class PrefillDecodeHandler(_PullingHandler):
 
 
 class DecodeHandler(_EngineHandler):
-    """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text; a
-    short text-only prompt sent without KV (conditional disaggregation) is prefilled here."""
+    """Pull prefill's KV (vLLM NixlConnector consumer) and stream the generated text. With
+    conditional disaggregation (``routing.max_local_prefill_tokens``) it also takes short
+    prompts without KV and prefills them itself, their embeddings pulled as pd does."""
 
     role = "decode"
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__(ctx)
+        self.puller = (
+            EmbeddingPuller(ctx, self.family, self.metrics) if ctx.topology.local_prefill else None
+        )
         self.admitted: set[str] = set()
         """Requests in this engine now (their KV may be on its way from prefill)."""
         self.abandoned: OrderedDict[str, None] = OrderedDict()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.puller is not None:
+            self.puller.close()
 
     async def _abandon(self, request: DecodeRequest) -> None:
         """Let prefill free the KV of a request that ended before its first token now,
@@ -506,20 +515,24 @@ class DecodeHandler(_EngineHandler):
             return
         if request.request_id in self.abandoned:  # its KV is gone already
             raise Cancelled(f"request {request.request_id} was abandoned before decode")
-        try:
-            prompt = self.family.decode_prompt(
-                request.prompt_token_ids,
-                request.prefilled_token_ids,
-                request.images,
-                request.image_hashes,
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if request.kv_transfer_params is None:  # prefilled here: a short prompt, no KV pull
-            if request.images:
-                raise InvalidRequest("decode prefills text-only prompts: images need prefill")
+        if request.kv_transfer_params is None:  # a short prompt, prefilled here
+            if self.puller is None:
+                raise InvalidRequest(
+                    "no kv_transfer_params: this decode server prefills no prompt itself "
+                    "(routing.max_local_prefill_tokens is 0)"
+                )
+            prompt = await self.puller.prompt(request.prompt_token_ids, request.handles, ctx)
             sampling = to_vllm_sampling(request.sampling)
         else:
+            try:
+                prompt = self.family.decode_prompt(
+                    request.prompt_token_ids,
+                    request.prefilled_token_ids,
+                    request.images,
+                    request.image_hashes,
+                )
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
             extra = {"kv_transfer_params": request.kv_transfer_params}
             sampling = to_vllm_sampling(request.sampling, extra_args=extra)
         self.admitted.add(request.request_id)

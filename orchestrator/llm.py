@@ -39,7 +39,7 @@ def engine_args(topology: Topology, server: str, role: LLMRole) -> dict[str, Any
     }
     if "max_model_len" not in args:  # explicit, so the front's budget check knows it
         args["max_model_len"] = model_context(topology.model)
-    if role in ("prefill", "pd"):
+    if role in ("prefill", "pd") or (role == "decode" and topology.local_prefill):
         args["enable_mm_embeds"] = True
     if role in ("prefill", "decode"):
         args["kv_transfer_config"] = {

@@ -185,18 +185,22 @@ class EPDPipeline:
         request = parse_front_request(inputs, self.limits)
         prompt = await self.prompts.render(request)
         self.prompts.fit(prompt, [], request.sampling)  # too long already: no image is encoded
-        if request.images:
-            stages = ("encode", *self.llm_stages)
-        else:  # text-only requests do not need an encoder, short ones on E/P/D no prefill
-            local = self._prefilled_by_decode(prompt, request)
-            stages = ("decode",) if local else self.llm_stages
+        # Text-only requests need no encoder; prefill is not needed by a prompt short
+        # enough for decode to prefill (judged again once the images' tokens are known).
+        stages = ("encode",) if request.images else ()
+        stages += ("decode",) if self._prefilled_by_decode(prompt, []) else self.llm_stages
         for stage in stages:
             await self.routes[stage].require(self.routing.probe_timeout_s)
 
         handles, holders = await self._encode_all(request.images, ctx)
         self.seconds["encode"].observe(time.perf_counter() - start)
-        flow = self._prefill_and_decode if self.one_engine else self._prefill_then_decode
-        deltas = flow(prompt, request, handles, holders, ctx)
+        if self.one_engine:
+            deltas = self._prefill_and_decode(prompt, request, handles, holders, ctx, "pd")
+        elif self._prefilled_by_decode(prompt, [h.layout.tokens for h in handles]):
+            self.local_prefills += 1
+            deltas = self._prefill_and_decode(prompt, request, handles, holders, ctx, "decode")
+        else:
+            deltas = self._prefill_then_decode(prompt, request, handles, holders, ctx)
         stream = None  # the answer's span, from its first token to its end
         try:
             async for response in completion_responses(deltas, request.stream, request.outputs):
@@ -250,14 +254,18 @@ class EPDPipeline:
         handles: list[EmbeddingHandle],
         holders: list[str],
         ctx: RequestContext,
+        stage: StageName,
     ) -> AsyncIterator[Delta]:
-        """E+PD: one ``pd`` engine pulls the embeddings, prefills and streams the answer."""
-        route = self.routes["pd"]
+        """One engine pulls the embeddings, prefills and streams the answer: ``pd`` (E+PD),
+        or ``decode`` for a prompt too short to be worth a prefill server and the KV's
+        move (E/P/D's conditional disaggregation, ``routing.max_local_prefill_tokens``)."""
+        route = self.routes[stage]
+        kind = PrefillDecodeRequest if stage == "pd" else DecodeRequest
 
         async def first_delta(
             pulled_by: list[EmbeddingHandle], sampling: SamplingOptions
         ) -> tuple[Delta, AsyncIterator[Delta]]:
-            message = PrefillDecodeRequest(
+            message = kind(
                 request_id=ctx.request_id,
                 prompt_token_ids=prompt.token_ids,
                 handles=pulled_by,
@@ -282,7 +290,7 @@ class EPDPipeline:
                 yield delta
 
     async def _stream(
-        self, route: StageRoute, message: PrefillDecodeRequest, ctx: RequestContext
+        self, route: StageRoute, message: PrefillDecodeRequest | DecodeRequest, ctx: RequestContext
     ) -> AsyncIterator[Delta]:
         name = route.choose()
         try:
@@ -304,8 +312,7 @@ class EPDPipeline:
         ctx: RequestContext,
     ) -> AsyncIterator[Delta]:
         """E/P/D: prefill pulls the embeddings and computes the KV; decode pulls the KV and
-        streams the answer. A short text-only prompt is prefilled by decode itself
-        (``routing.max_local_prefill_tokens``)."""
+        streams the answer."""
         started = time.perf_counter()
 
         async def prefill(
@@ -318,24 +325,19 @@ class EPDPipeline:
             )
             return await self._prefill_to_the_end(message, ctx)
 
-        result: PrefillResult | None = None
-        if self._prefilled_by_decode(prompt, request):
-            self.local_prefills += 1
-            _, sampling = self.prompts.fit(prompt, [], request.sampling)
-        else:
-            result, handles, sampling = await self._start(
-                prefill, prompt, request, handles, holders, ctx
-            )
-            self.seconds["prefill"].observe(time.perf_counter() - started)
+        result, handles, sampling = await self._start(
+            prefill, prompt, request, handles, holders, ctx
+        )
+        self.seconds["prefill"].observe(time.perf_counter() - started)
         decode = DecodeRequest(
             request_id=ctx.request_id,
             prompt_token_ids=prompt.token_ids,
-            prefilled_token_ids=result and result.prompt_token_ids,
+            prefilled_token_ids=result.prompt_token_ids,
             images=[h.layout for h in handles],
             image_hashes=[h.content_hash for h in handles],
             sampling=sampling,
             return_token_ids=request.outputs.token_ids,
-            kv_transfer_params=result and result.kv_transfer_params,
+            kv_transfer_params=result.kv_transfer_params,
         )
         route = self.routes["decode"]
         name = route.choose()
@@ -345,8 +347,7 @@ class EPDPipeline:
                 tensors = to_tensor("request", decode)
                 names = ExtraOutputs.of_stage(decode).names()
                 responses = decoder.call("decode", tensors, names, ctx)
-                prompt_tokens = result and result.num_prompt_tokens
-                async for delta in _deltas(responses, prompt_tokens):
+                async for delta in _deltas(responses, result.num_prompt_tokens):
                     first = False
                     yield delta
         except BaseException as exc:
@@ -358,11 +359,12 @@ class EPDPipeline:
                 await self._cleanup(self._abandon(ctx.request_id, kv_params, name))
             raise
 
-    def _prefilled_by_decode(self, prompt: Prompt, request: FrontRequest) -> bool:
-        """Conditional disaggregation on E/P/D: whether a prompt is text only and short
-        enough (``routing.max_local_prefill_tokens``) for decode to prefill it itself."""
+    def _prefilled_by_decode(self, prompt: Prompt, image_tokens: list[int]) -> bool:
+        """Conditional disaggregation on E/P/D: whether the prompt, its images expanded to
+        ``image_tokens`` (none given: a lower bound), is short enough for decode to prefill
+        it itself (``routing.max_local_prefill_tokens``)."""
         limit = self.routing.max_local_prefill_tokens
-        return not (self.one_engine or request.images) and 0 < prompt.text_tokens <= limit
+        return not self.one_engine and 0 < prompt.length(image_tokens) <= limit
 
     async def _cleanup(self, work: Awaitable[None]) -> None:
         """Run cleanup of a failed or cancelled request, bounded: it must not hold the
@@ -537,13 +539,8 @@ class EPDPipeline:
                 await self.replies.close()
 
 
-async def _deltas(
-    responses: AsyncIterator[Tensors], prompt_tokens: int | None
-) -> AsyncIterator[Delta]:
-    """Decode's steps; the prompt's length is prefill's count (the tokens it computed), or
-    decode's own when it prefilled (``None``)."""
+async def _deltas(responses: AsyncIterator[Tensors], prompt_tokens: int) -> AsyncIterator[Delta]:
+    """Decode's steps; the prompt's length is prefill's count (the tokens it computed)."""
     async for tensors in responses:
         delta = tensors_delta(tensors)
-        if prompt_tokens is not None:
-            delta = dataclasses.replace(delta, num_input_tokens=prompt_tokens)
-        yield delta
+        yield dataclasses.replace(delta, num_input_tokens=prompt_tokens)

@@ -313,7 +313,8 @@ class PrefillDecodeRequest(_PromptRequest):
 
 class DecodeRequest(_PromptRequest):
     """Front -> decode: the prompt's tokens, image layouts only (no embeddings) and the KV
-    to pull."""
+    to pull; or, for a prompt decode prefills itself (``routing.max_local_prefill_tokens``),
+    what pd gets: the prompt's tokens and where its image embeddings are."""
 
     prefilled_token_ids: list[int] | None = None
     """Prefill's prompt with each image's tokens in place, for families that need it
@@ -327,8 +328,20 @@ class DecodeRequest(_PromptRequest):
     return_token_ids: bool = False
     """Answer the tokens' ids too (``token_ids``; the engine's prompt in the first)."""
     kv_transfer_params: dict | None = None
-    """Where prefill holds the prompt's KV (vLLM's, from ``PrefillResult``); ``None``: a
-    text-only prompt decode prefills itself (``routing.max_local_prefill_tokens``)."""
+    """Where prefill holds the prompt's KV (vLLM's, from ``PrefillResult``); ``None``:
+    decode prefills the prompt itself."""
+    handles: list[EmbeddingHandle] = Field(default_factory=list)
+    """Where the images' embeddings are, for a prompt decode prefills itself (none when
+    prefill has the KV)."""
+
+    @model_validator(mode="after")
+    def _one_source_of_kv(self) -> DecodeRequest:
+        if self.kv_transfer_params is None and self.images:
+            raise ValueError("image layouts come with prefill's kv_transfer_params")
+        if self.kv_transfer_params is not None and self.handles:
+            raise ValueError("handles are for a prompt decode prefills itself, not with KV")
+        return self
+
     abandon: bool = False
     """The request ended after prefill and before its first token: unless decode's engine
     already has it (then vLLM's own abort frees prefill's KV, or lets a READ in flight

@@ -1,7 +1,8 @@
 """Conditional disaggregation on E/P/D (``routing.max_local_prefill_tokens``): a short
-text-only prompt is prefilled by decode's own engine, past the prefill server; longer
-prompts and every prompt with an image still go to prefill. Either way the answer, and the
-prompt's token count the client is billed, equal the ``aggregated`` engine's."""
+prompt (its images' tokens counted) is prefilled by decode's own engine, which pulls the
+images' embeddings itself, past the prefill server; longer prompts still go to prefill.
+Either way the answer, and the prompt's token count the client is billed, equal the
+``aggregated`` engine's, and every handle the encoder lent is pulled."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import pytest
 from orchestrator import metrics
 from orchestrator.client import sample_photo
 from orchestrator.triton.deployment import Deployment
-from tests.conftest import EPD_LAYOUT, local_topology, running_deployment, scrape
+from tests.conftest import (
+    EPD_LAYOUT,
+    local_topology,
+    running_deployment,
+    scrape,
+    wait_unpinned,
+)
 
 pytestmark = pytest.mark.server
 
@@ -47,6 +54,12 @@ def _taken_in(stack: Deployment, role: str) -> float:
     """Requests the engine of ``role`` has taken in (its stub publishes every 0.5 s)."""
     server = stack.topology.servers[role]
     return scrape(server, "epd_engine_requests_total", role=role)
+
+
+def _pulled_by(stack: Deployment, server: str) -> float:
+    """Embedding bytes ``server`` has pulled from encoders: read once its engine's count
+    shows the request, which its stub publishes with them and which moves after the pull."""
+    return scrape(stack.topology.servers[server], "epd_embedding_fetch_bytes_total")
 
 
 def _settled(read: Callable[[], float], expected: float) -> float:
@@ -87,12 +100,20 @@ def _answer_of(client: openai.OpenAI, model: str, text: str, images: list[bytes]
     [
         pytest.param(SHORT, [], True, id="short text: decode prefills"),
         pytest.param(LONG, [], False, id="long text: prefill"),
-        pytest.param("Cat?", [sample_photo("chelsea")], False, id="short with a photo: prefill"),
+        pytest.param("Cat?", [sample_photo("chelsea")], True, id="short with a photo: decode"),
+        pytest.param(
+            "Compare.",
+            [sample_photo("astronaut"), sample_photo("coffee")],
+            False,
+            id="short text, long with its photos: prefill",  # 64 + 54 image tokens
+        ),
+        pytest.param(LONG, [sample_photo("chelsea")], False, id="long with a photo: prefill"),
     ],
 )
 def test_who_prefills_and_the_answer_is_aggregateds(stack, client, text, images, local):
     prefills, decodes = _taken_in(stack, "prefill"), _taken_in(stack, "decode")
     local_prefills = _local_prefills(stack)
+    pulled = _pulled_by(stack, "decode")
     answer, prompt_tokens = _answer_of(client, "epd", text, images)
     assert (answer, prompt_tokens) == _answer_of(client, "aggregated", text, images)
     assert answer
@@ -100,6 +121,12 @@ def test_who_prefills_and_the_answer_is_aggregateds(stack, client, text, images,
     prefilled = 0 if local else 1  # after decode's count moved, and 3 s more if it is 0
     assert _settled(lambda: _taken_in(stack, "prefill"), prefills + 1) == prefills + prefilled
     assert _local_prefills(stack) == local_prefills + (1 if local else 0)
+    assert (_pulled_by(stack, "decode") > pulled) == (local and bool(images))
+
+
+def test_every_handle_was_pulled(stack):
+    stats = wait_unpinned(stack.topology.servers["encoder"])
+    assert stats["pinned_handles"] == 0 and stats["expired"] == 0, stats
 
 
 def test_decode_serves_short_prompts_while_prefill_is_down(stack, client):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -85,6 +86,22 @@ def test_local_prefill_is_an_e_p_d_setting():
     e_pd = {**default_topology(Path("/m")).model_dump(), "routing": e_p_d["routing"]}
     with pytest.raises(ValueError, match="with 'pd' .* leave it 0"):
         Topology.model_validate(e_pd)
+
+
+def test_decode_gets_either_prefills_kv_or_what_it_prefills_itself():
+    """Image layouts place a KV that arrives from prefill; handles feed a prompt decode
+    prefills itself: a request with the one but not its source is refused at parse."""
+    from orchestrator.families.base import ImageLayout
+    from orchestrator.protocol import DecodeRequest, from_tensor, to_tensor
+
+    fields = {"request_id": "r", "prompt_token_ids": [1, 2], "sampling": SamplingOptions()}
+    layout = ImageLayout(tokens=4, grid_thw=(1, 4, 4))
+    with_kv = DecodeRequest(**fields, images=[layout], kv_transfer_params={"x": 1})
+    assert from_tensor(to_tensor("request", with_kv), "request", DecodeRequest) == with_kv
+    without = with_kv.model_dump(exclude={"kv_transfer_params"})
+    wire = {"request": np.array([json.dumps(without).encode()], dtype=np.object_)}
+    with pytest.raises(InvalidRequest, match="image layouts come with prefill's"):
+        from_tensor(wire, "request", DecodeRequest)
 
 
 def test_same_port_on_different_hosts_is_fine():
