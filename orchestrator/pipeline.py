@@ -70,7 +70,8 @@ free prefill's KV): past it the encoder's TTL and vLLM's KV lease are the backst
 class EPDPipeline:
     """Handler of the ``epd`` model: validate, encode, then prefill and stream decode --
     on one ``pd`` engine (E+PD) when the topology has one, else on ``prefill`` then
-    ``decode`` (E/P/D).
+    ``decode`` (E/P/D), or on ``decode`` alone for a prompt short enough
+    (``routing.max_local_prefill_tokens``).
 
     Failure policy: an image whose encode fails with UNAVAILABLE (encoder dead, its cache
     full) is retried on another encoder; if prefill (or pd) cannot pull the embeddings
