@@ -129,6 +129,35 @@ def test_every_handle_was_pulled(stack):
     assert stats["pinned_handles"] == 0 and stats["expired"] == 0, stats
 
 
+def test_hang_up_stops_a_prompt_decode_prefilled(stack, client):
+    """A client leaving mid-stream stops a request decode took alone as it stops any: its
+    engine is idle at once and no handle stays pinned."""
+    decode, encoder = stack.topology.servers["decode"], stack.topology.servers["encoder"]
+    local_prefills = _local_prefills(stack)
+    url = "data:image/jpeg;base64," + base64.b64encode(sample_photo("chelsea")).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Cat?"}]
+    answer = client.chat.completions.create(
+        model="epd",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=1500,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+    next(iter(answer))  # the answer has begun
+    assert _local_prefills(stack) == local_prefills + 1
+
+    def busy() -> float:  # published every 0.5 s
+        return scrape(decode, "epd_engine_unfinished_requests", role="decode")
+
+    assert _settled(busy, 1) == 1
+    answer.close()
+
+    def idle() -> float:
+        return busy() + scrape(encoder, "epd_encoder_cache_pinned_handles")
+
+    assert _settled(idle, 0) == 0, "decode still busy, or a handle pinned, after hang-up"
+
+
 def test_decode_serves_short_prompts_while_prefill_is_down(stack, client):
     """Short prompts need no prefill server: they are answered while it is dead; a long
     one fails at once, naming it."""
