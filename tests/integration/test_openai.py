@@ -362,7 +362,8 @@ def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
             http.stream("POST", url, json={**LONG, "stream": True}) as one,
         ):
             lines = one.iter_lines()  # kept: dropping it would close the stream early
-            assert next(lines).startswith("data: ")  # the role: decoding has begun
+            first = next(lines)  # the role: decoding has begun
+            assert first.startswith("data: ") and '"error"' not in first, first
             for prompts, status, message in (
                 (4, 429, "each of the request's 4 answers counts"),
                 (5, 413, "5 answers in one request (prompts x n); this server runs at most 4"),
@@ -372,7 +373,8 @@ def test_full_is_429_and_hang_up_mid_stream_stops_every_stage(stack, client):
             three = {**LONG, "stream": True, "n": 3, "temperature": 1.0}
             with http.stream("POST", url, json=three) as two:
                 more = two.iter_lines()
-                assert next(more).startswith("data: ")
+                first = next(more)
+                assert first.startswith("data: ") and '"error"' not in first, first
                 status, message = _status(client)
                 assert status == 429 and "limit of 4 requests in flight" in message
 
