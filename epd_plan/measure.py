@@ -64,7 +64,7 @@ class Sweep:
         return cls(
             sizes=((224, 224), (448, 448)),
             images_per_size=3,
-            prompt_tokens=(16, 128),
+            prompt_tokens=(16, 1024),  # a span whose token cost stands out of the noise
             prefill_batches=(1, 2),
             decode_batches=(1, 4),
             decode_contexts=(32, 256),
