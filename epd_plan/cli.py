@@ -108,7 +108,7 @@ def parse_fleet(text: str):
     return layout, stages
 
 
-def _fleet(text: str, profiles):
+def _fleet(text: str, profiles, local_prefill_tokens: int = 0):
     from epd_plan.simulate import Fleet, StageCount
 
     layout, stages = parse_fleet(text)
@@ -119,7 +119,7 @@ def _fleet(text: str, profiles):
             machines = profiles.machines(source)
             machine = machines[0].name if machines else "?"
         counts[stage] = StageCount(machine, replicas)
-    return Fleet(layout, counts)
+    return Fleet(layout, counts, local_prefill_tokens)
 
 
 def _row(label: str, p) -> str:
@@ -128,6 +128,7 @@ def _row(label: str, p) -> str:
         f"{label:<44} TTFT p50/p90 {p.ttft_s.p50 * 1e3:8.1f}/{p.ttft_s.p90 * 1e3:8.1f} ms  "
         f"TPOT p90 {p.tpot_s.p90 * 1e3:7.2f} ms  {p.throughput_rps:9.1f} req/s  busy: {util}  "
         f"bottleneck {p.bottleneck}, headroom {1 - max(p.utilization.values()):.0%}"
+        + ("" if p.local_prefill_share is None else f"  local prefill {p.local_prefill_share:.0%}")
         + ("" if p.stable else "  UNSTABLE")
     )
 
@@ -139,6 +140,7 @@ def _prediction_json(p) -> dict:
         "stages": {
             s: {"machine": c.machine, "replicas": c.replicas} for s, c in p.fleet.stages.items()
         },
+        "local_prefill_tokens": p.fleet.local_prefill_tokens,
     }
     data["bottleneck"] = p.bottleneck
     return data
@@ -190,7 +192,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             workload = load(path, Workload)
         if args.fleet:
-            fleet = _fleet(args.fleet, profiles)
+            fleet = _fleet(args.fleet, profiles, args.max_local_prefill_tokens)
             p = simulate(fleet, profiles, workload)
             print(_row(fleet.describe(), p))
             print(f"simulated {p.events:,} events in {p.wall_s:.1f} s")
@@ -199,7 +201,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if not args.slo:
                 raise PlanInputError("--slo FILE is required (YAML: ttft_p90_s, tpot_p90_s)")
             slo = load(Path(args.slo), Slo)
-            result = planner.plan(profiles, workload, slo, tuple(args.layout or planner.LAYOUTS))
+            result = planner.plan(
+                profiles,
+                workload,
+                slo,
+                tuple(args.layout or planner.LAYOUTS),
+                args.max_local_prefill_tokens,
+            )
             report = _report_plan(result, profiles, args)
     except PlanInputError as exc:
         print(f"epd plan: {exc}", file=sys.stderr)
@@ -260,6 +268,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--slo", help="SLO file (YAML/JSON): ttft_p90_s, tpot_p90_s")
     plan.add_argument("--layout", action="append", choices=["aggregated", "E+PD", "E/P/D"])
     plan.add_argument("--fleet", help="predict this fleet instead, e.g. 'E+PD encode=1 pd=2'")
+    plan.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="E/P/D: prefill prompts of at most this many tokens (images included) in decode, "
+        "skipping prefill, as routing.max_local_prefill_tokens does (default 0: never)",
+    )
     plan.add_argument("--model", default="/models/model", help="model path in the topology")
     plan.add_argument("--topology-out", help="write the recommended fleet's topology here")
     plan.add_argument("--out", help="JSON report path")

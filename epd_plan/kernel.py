@@ -23,7 +23,11 @@ those arrays from the planner's dataclasses and reads the results back. The mode
   A request joins the replica with the fewest requests (running and waiting), as the
   front's router does.
 - A decode engine (E/P/D) takes the prompt's KV from prefill and makes every output token
-  itself, the first one included, as vLLM's disaggregated prefill does.
+  itself, the first one included, as vLLM's disaggregated prefill does. With conditional
+  disaggregation (``local_prefill_tokens`` > 0) a prompt of at most that many tokens, its
+  images' included, skips prefill: it joins the decode pool straight from the front (or
+  from its encode), pulls its images there and is prefilled in decode's own steps, as the
+  front routes it once its images are encoded.
 - Fixed delays between hops: the stage calls' overhead measured by the traces, pulling each
   image's embeddings, and the KV transfer from prefill to decode.
 - On one host (``one_host``) the encoder's pass, the engines' steps and the serving path
@@ -91,7 +95,8 @@ C_HITS = 4
 C_MAX_INFLIGHT = 5
 C_OVERFLOW = 6  # 1 when in-flight requests exceeded the slots: the fleet cannot keep up
 C_EVENTS = 7
-C_COLUMNS = 8
+C_LOCAL = 8  # measured requests prefilled by decode (conditional disaggregation)
+C_COLUMNS = 9
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -325,6 +330,7 @@ def run(
     one_host,
     host_cores,
     host_widths,
+    local_prefill_tokens,
 ):
     """Simulate the arrivals of ``duration_s`` (those before ``warmup_s`` are not measured)
     and run until every request is answered. Returns the histograms (rows: TTFT, TPOT,
@@ -350,6 +356,7 @@ def run(
     r_out = np.zeros(max_inflight, np.int64)
     r_next = np.full(max_inflight, -1, np.int64)  # the replica's waiting queue, linked
     r_started = np.zeros(max_inflight, np.bool_)  # prefill begun (its extra work paid)
+    r_local = np.zeros(max_inflight, np.bool_)  # prefilled by decode, prefill skipped
     free = np.arange(max_inflight - 1, -1, -1).astype(np.int64)
     n_free = max_inflight
     inflight = 0
@@ -460,6 +467,9 @@ def run(
                     work += encode_image_s + encode_mpix_s * res_mpix[k]
             r_prompt[r] = tokens
             r_left[r] = tokens
+            r_local[r] = _local(pools, tokens, local_prefill_tokens)
+            if r_local[r] and measured:
+                counters[C_LOCAL] += 1
             if n_img > 0 and encode_servers > 0:
                 mean = encode_base_s + work
                 r_service[r] = np.random.exponential(mean) if encode_exponential else mean
@@ -467,7 +477,7 @@ def run(
                 _push(ev_t, ev_v, ev_n, t + delay, ENCODE_JOIN, r, b)
             else:
                 delay = pools[0, P_ENTER_DELAY]
-                _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, r, b)
+                _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, r, 1 if r_local[r] else 0)
             _serve(t, delay, one_host, jobs, host, ev_t, ev_v, ev_n)
         elif kind == ENCODE_JOIN:
             if enc_idle > 0:
@@ -504,14 +514,15 @@ def run(
                     _push(ev_t, ev_v, ev_n, t + r_service[q], ENCODE_DONE, q, 0)
             else:
                 enc_idle += 1
-            delay = pools[0, P_ENTER_DELAY] + pools[0, P_PULL_PER_IMAGE] * r_images[a]
-            _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, a, 0)
+            p = 1 if r_local[a] else 0
+            delay = pools[0, P_ENTER_DELAY] + pools[p, P_PULL_PER_IMAGE] * r_images[a]
+            _push(ev_t, ev_v, ev_n, t + delay, ENTER_POOL, a, p)
             _serve(t, delay, one_host, jobs, host, ev_t, ev_v, ev_n)
         elif kind == ENTER_POOL:
             r = a
             p = b
             replica = load_rep[p, 0]  # the least loaded
-            if int(pools[p, P_ROLE]) == ROLE_DECODE:
+            if int(pools[p, P_ROLE]) == ROLE_DECODE and not r_local[r]:
                 r_left[r] = 0
             r_next[r] = -1
             if wait_tail[p, replica] < 0:
@@ -682,6 +693,18 @@ def run(
     for p in range(n_pools):
         seq_s[p] += present[p] * (t - last[p])
     return hist, sums, counters, enc_busy_s, work_s, seq_s, t
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _local(pools, tokens, local_prefill_tokens):
+    """Whether a prompt of ``tokens`` skips prefill: E/P/D (a prefill pool, then decode)
+    with conditional disaggregation on, and the prompt within its limit."""
+    return (
+        local_prefill_tokens > 0
+        and pools.shape[0] == 2
+        and int(pools[0, P_ROLE]) == ROLE_PREFILL
+        and tokens <= local_prefill_tokens
+    )
 
 
 @numba.njit(cache=True, error_model="numpy")

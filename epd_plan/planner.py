@@ -19,7 +19,7 @@ from epd_plan.profile import Profiles
 from epd_plan.simulate import LAYOUT_STAGES, LAYOUTS, Fleet, Layout, Prediction, StageCount
 from epd_plan.simulate import simulate as run_simulation
 from epd_plan.workload import Slo, Workload
-from orchestrator.config import ServerSpec, Topology
+from orchestrator.config import RoutingSpec, ServerSpec, Topology
 
 TARGET_UTILIZATION = 0.8
 """How busy the search lets the bottleneck stage get before adding replicas to it."""
@@ -70,7 +70,10 @@ def plan_layout(
     layout: Layout,
     max_replicas: int = 4096,
     max_simulations: int = 60,
+    local_prefill_tokens: int = 0,
 ) -> LayoutPlan:
+    """``local_prefill_tokens``: E/P/D fleets prefill prompts up to that many tokens in
+    decode (``routing.max_local_prefill_tokens``); other layouts ignore it."""
     stages = LAYOUT_STAGES[layout]
     choices = [_stage_machines(profiles, s) for s in stages]
     missing = [s for s, c in zip(stages, choices, strict=True) if not c]
@@ -79,7 +82,11 @@ def plan_layout(
     best: LayoutPlan = LayoutPlan(layout, None, None, None, "no hardware choice met the SLO")
     tried = 0
     for machines in itertools.product(*choices):
-        fleet = Fleet(layout, {s: StageCount(m, 1) for s, m in zip(stages, machines, strict=True)})
+        fleet = Fleet(
+            layout,
+            {s: StageCount(m, 1) for s, m in zip(stages, machines, strict=True)},
+            local_prefill_tokens if layout == "E/P/D" else 0,
+        )
         found, prediction, why, n = _search(
             fleet, profiles, workload, slo, max_replicas, max_simulations
         )
@@ -160,11 +167,17 @@ def _search(
 
 
 def plan(
-    profiles: Profiles, workload: Workload, slo: Slo, layouts: tuple[Layout, ...] = LAYOUTS
+    profiles: Profiles,
+    workload: Workload,
+    slo: Slo,
+    layouts: tuple[Layout, ...] = LAYOUTS,
+    local_prefill_tokens: int = 0,
 ) -> Plan:
     result = Plan(workload, slo)
     for layout in layouts:
-        result.layouts.append(plan_layout(profiles, workload, slo, layout))
+        result.layouts.append(
+            plan_layout(profiles, workload, slo, layout, local_prefill_tokens=local_prefill_tokens)
+        )
     return result
 
 
@@ -197,7 +210,8 @@ def topology_for(fleet: Fleet, model: Path) -> Topology:
                 name = f"{_SERVER_NAMES[stage]}-{i}"
                 servers[name] = server(name, [stage])
         servers["front"] = server("front", ["epd"], openai=True)
-    return Topology(model=model, servers=servers)
+    routing = RoutingSpec(max_local_prefill_tokens=fleet.local_prefill_tokens)
+    return Topology(model=model, servers=servers, routing=routing)
 
 
 def replica_counts(fleet: Fleet) -> dict[str, int]:

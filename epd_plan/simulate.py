@@ -38,12 +38,25 @@ class StageCount:
 class Fleet:
     layout: Layout
     stages: dict[str, StageCount]
+    local_prefill_tokens: int = 0
+    """E/P/D only: the topology's ``routing.max_local_prefill_tokens`` (conditional
+    disaggregation: prompts of at most this many tokens, images included, are prefilled
+    by decode and skip prefill); 0 sends every prompt through prefill."""
 
     def __post_init__(self) -> None:
         want = set(LAYOUT_STAGES[self.layout])
         if set(self.stages) != want:
             raise PlanInputError(
                 f"a {self.layout} fleet has stages {sorted(want)}, got {sorted(self.stages)}"
+            )
+        if self.local_prefill_tokens < 0:
+            raise PlanInputError(
+                f"local prefill tokens must be >= 0, got {self.local_prefill_tokens}"
+            )
+        if self.local_prefill_tokens and self.layout != "E/P/D":
+            raise PlanInputError(
+                "local prefill (conditional disaggregation) is for E/P/D: "
+                f"a {self.layout} fleet has no prefill stage to skip"
             )
         for stage, count in self.stages.items():
             if count.replicas < 1:
@@ -59,12 +72,13 @@ class Fleet:
 
     def describe(self) -> str:
         parts = [f"{s} {c.replicas}x{c.machine}" for s, c in self.stages.items()]
-        return f"{self.layout}: " + ", ".join(parts)
+        local = f" (local prefill <= {self.local_prefill_tokens})" * bool(self.local_prefill_tokens)
+        return f"{self.layout}: " + ", ".join(parts) + local
 
     def with_replicas(self, stage: str, replicas: int) -> Fleet:
         stages = dict(self.stages)
         stages[stage] = StageCount(stages[stage].machine, replicas)
-        return Fleet(self.layout, stages)
+        return Fleet(self.layout, stages, self.local_prefill_tokens)
 
 
 def _machine_of(profiles: Profiles, stage: str, machine: str):
@@ -109,6 +123,8 @@ class Prediction:
     """How loaded each stage's replicas were over the simulated time (1: at capacity; over
     1: requests waited for seats). Encoders: busy share; engines: see ``simulate``."""
     cache_hit_rate: float | None
+    local_prefill_share: float | None
+    """E/P/D with local prefill on: the share of measured requests decode prefilled."""
     stable: bool
     """False when requests piled up beyond the simulator's bound: the fleet cannot keep up."""
     events: int
@@ -154,9 +170,12 @@ def _engine_row(
         row[kernel.P_BASE] = prefill.base_s
     else:  # every step decodes (and streams its tokens through Triton)
         row[kernel.P_BASE] = decode.base_s + hops.step_overhead_s
-    if stage in ("pd", "aggregated"):  # one engine: some of its steps also prefill
+    # One engine: some of its steps also prefill (decode's, only for the prompts it
+    # prefills itself with local prefill on; the kernel charges it only then)
+    if stage in ("pd", "aggregated", "decode"):
         row[kernel.P_PREFILL_STEP] = max(0.0, prefill.base_s - decode.base_s)
-    if stage in ("pd", "prefill"):  # fed by handles: the engine pulls the embeddings first
+    # Fed by handles: the engine pulls the embeddings first (decode: its local prefills)
+    if stage in ("pd", "prefill", "decode"):
         row[kernel.P_PULL_PER_IMAGE] = hops.embedding_pull_s + hops.image_input_s
     row[kernel.P_PER_REQUEST] = prefill.per_request_s
     row[kernel.P_PER_TOKEN] = prefill.per_token_s
@@ -229,6 +248,7 @@ def simulate(
         inflight,
         one_host,
         *_host(profiles, fleet, engines),
+        fleet.local_prefill_tokens,
     )
     wall = time.perf_counter() - started
     utilization = {}  # over the simulated time, arrivals and draining
@@ -252,6 +272,11 @@ def simulate(
         throughput_rps=int(counters[kernel.C_MEASURED]) / (workload.duration_s - workload.warmup_s),
         utilization=utilization,
         cache_hit_rate=int(counters[kernel.C_HITS]) / images if images else None,
+        local_prefill_share=(
+            int(counters[kernel.C_LOCAL]) / max(1, int(counters[kernel.C_MEASURED]))
+            if fleet.local_prefill_tokens
+            else None
+        ),
         stable=stable,
         events=int(counters[kernel.C_EVENTS]),
         wall_s=wall,

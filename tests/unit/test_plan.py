@@ -158,6 +158,9 @@ def test_topology_of_a_fleet_is_valid(tmp_path: Path) -> None:
     assert len(topology.servers_of("decode")) == 3
     assert topology.server_of("epd")[1].openai_port == 9000
     assert planner.replica_counts(fleet) == {"epd-encoder": 2, "epd-prefill": 1, "epd-decode": 3}
+    assert topology.routing.max_local_prefill_tokens == 0
+    local = Fleet(fleet.layout, fleet.stages, local_prefill_tokens=300)
+    assert planner.topology_for(local, tmp_path).routing.max_local_prefill_tokens == 300
 
 
 def test_fleet_arguments_are_checked() -> None:
@@ -331,3 +334,33 @@ def test_validate_refuses_a_rate_it_cannot_use(rate: str, tmp_path: Path, capsys
     args = ["plan", "validate", "--profiles", str(_profile_dir(tmp_path)), "--rate", rate]
     assert epd(args) == 2
     assert "rate above 0" in capsys.readouterr().err
+
+
+def test_cli_predicts_and_plans_with_local_prefill(tmp_path: Path, capsys) -> None:
+    """``--max-local-prefill-tokens``: the E/P/D fleet's short prompts skip prefill in the
+    prediction, the planned topology carries the setting, and another layout's fleet is
+    refused with the reason."""
+    folder = _profile_dir(tmp_path)
+    (tmp_path / "w.yaml").write_text(
+        "rate_rps: 20\nimage_share: 0.5\nprompt_tokens: 100\nduration_s: 30\nwarmup_s: 3\n"
+    )
+    (tmp_path / "slo.yaml").write_text("ttft_p90_s: 0.3\ntpot_p90_s: 0.05\n")
+    args = ["plan", "--profiles", str(folder), "--workload", str(tmp_path / "w.yaml")]
+    fleet = ["--fleet", "E/P/D encode=1 prefill=1 decode=1", "--max-local-prefill-tokens", "200"]
+    assert epd([*args, *fleet, "--out", str(tmp_path / "p.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "(local prefill <= 200)" in printed and "  local prefill " in printed, printed
+    prediction = json.loads((tmp_path / "p.json").read_text())["prediction"]
+    assert prediction["fleet"]["local_prefill_tokens"] == 200
+    assert 0.4 < prediction["local_prefill_share"] < 0.6
+
+    out = tmp_path / "topology.yaml"
+    planned = ["--slo", str(tmp_path / "slo.yaml"), "--layout", "E/P/D", "--model", str(tmp_path)]
+    code = epd([*args, *planned, "--max-local-prefill-tokens", "200", "--topology-out", str(out)])
+    assert code == 0, capsys.readouterr()
+    assert Topology.load(out).routing.max_local_prefill_tokens == 200
+
+    capsys.readouterr()
+    code = epd([*args, "--fleet", "E+PD encode=1 pd=1", "--max-local-prefill-tokens", "200"])
+    assert code == 2
+    assert "for E/P/D" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from epd_plan.profile import (
     Profiles,
 )
 from epd_plan.simulate import Fleet, StageCount, simulate
-from epd_plan.workload import Workload
+from epd_plan.workload import PlanInputError, Workload
 
 MACHINE = Machine(name="m")
 
@@ -30,6 +30,9 @@ def profiles(
     image_input_s: float = 0.0,
     request_input_s: float = 0.0,
     serving_per_seq_s: float = 0.0,
+    per_token_s: float = 0.0,
+    llm_call_s: float = 0.0,
+    kv_transfer_s: float = 0.0,
 ) -> Profiles:
     """A stage whose cost is exactly what a queueing model assumes, everything else free."""
     common = {"model": "m", "machine": MACHINE}
@@ -44,13 +47,15 @@ def profiles(
                 instances=instances,
                 cache_entries=cache,
             ),
-            PrefillProfile(**common, base_s=0, per_token_s=0, budget_tokens=8192, max_seqs=4096),
+            PrefillProfile(
+                **common, base_s=0, per_token_s=per_token_s, budget_tokens=8192, max_seqs=4096
+            ),
             DecodeProfile(**common, base_s=0, per_seq_s=per_seq_s, per_kctx_s=0, max_seqs=4096),
             HopsProfile(
                 **common,
                 encode_call_s=0,
-                llm_call_s=0,
-                kv_transfer_s=0,
+                llm_call_s=llm_call_s,
+                kv_transfer_s=kv_transfer_s,
                 token_relay_s=0,
                 image_input_s=image_input_s,
                 request_input_s=request_input_s,
@@ -62,6 +67,11 @@ def profiles(
 
 def e_pd(encoders: int = 1) -> Fleet:
     return Fleet("E+PD", {"encode": StageCount("m", encoders), "pd": StageCount("m", 1)})
+
+
+def e_p_d(local_prefill_tokens: int = 0) -> Fleet:
+    stages = {"encode": StageCount("m", 1), "prefill": StageCount("m", 1)}
+    return Fleet("E/P/D", stages | {"decode": StageCount("m", 1)}, local_prefill_tokens)
 
 
 def erlang_c_wait(lam: float, mu: float, c: int) -> float:
@@ -196,3 +206,75 @@ def test_same_seed_same_answer() -> None:
     a = simulate(e_pd(), profiles(encode_s=0.01), w, exponential_encode=True)
     b = simulate(e_pd(), profiles(encode_s=0.01), w, exponential_encode=True)
     assert a.encode_wait_s == b.encode_wait_s
+
+
+def half_photos(rate: float, seed: int) -> Workload:
+    """Text prompts of 50 tokens, and as many of 50 plus one 448x448 image's 256."""
+    return Workload(
+        rate_rps=rate,
+        image_share=0.5,
+        prompt_tokens=50,
+        output_tokens=4,
+        duration_s=4_000 / rate,
+        warmup_s=200 / rate,
+        seed=seed,
+    )
+
+
+def test_local_prefill_routes_by_the_prompts_tokens_images_included() -> None:
+    """Conditional disaggregation: a prompt within the limit, its image's tokens counted,
+    skips prefill; the rest go through it. A limit under every prompt is the same fleet as
+    none (same seed, same answer), and one over every prompt leaves prefill idle."""
+    workload = half_photos(20.0, seed=10)
+    costs = profiles(per_token_s=1e-4)
+    off = simulate(e_p_d(), costs, workload)
+    assert off.local_prefill_share is None
+    under = simulate(e_p_d(10), costs, workload)
+    assert under.local_prefill_share == 0.0
+    assert (under.ttft_s, under.utilization) == (off.ttft_s, off.utilization)
+    text_only = simulate(e_p_d(100), costs, workload)
+    assert text_only.local_prefill_share == pytest.approx(0.5, abs=0.03)
+    assert 0 < text_only.utilization["prefill"] < off.utilization["prefill"]
+    everything = simulate(e_p_d(100_000), costs, workload)
+    assert everything.local_prefill_share == 1.0
+    assert everything.utilization["prefill"] == 0.0
+    # decode now computes the prompts prefill did: its engine works for them
+    assert (
+        everything.utilization["decode"]
+        > off.utilization["decode"] + 0.9 * off.utilization["prefill"]
+    )
+
+
+def test_local_prefill_saves_the_prefill_call_and_the_kv_transfer() -> None:
+    """On an idle fleet a prompt decode prefills itself reaches its first token the prefill
+    call's and the KV transfer's time sooner: it makes one stage call instead of two."""
+    workload = half_photos(1.0, seed=11).model_copy(update={"image_share": 0.0})
+    costs = profiles(llm_call_s=0.004, kv_transfer_s=0.010)
+    remote = simulate(e_p_d(), costs, workload)
+    local = simulate(e_p_d(100), costs, workload)
+    assert remote.ttft_s.mean == pytest.approx(0.004 + 0.010, rel=0.02)
+    assert local.ttft_s.mean == pytest.approx(0.004, rel=0.02)
+
+
+def test_local_prefill_pulls_the_images_in_decode() -> None:
+    """A photo prompt prefilled by decode pulls its image there, on its way to the first
+    token, as it would have in prefill."""
+    workload = half_photos(1.0, seed=12).model_copy(update={"image_share": 1.0})
+    base = simulate(e_p_d(100_000), profiles(), workload)
+    slower = simulate(e_p_d(100_000), profiles(image_input_s=0.005), workload)
+    assert base.local_prefill_share == 1.0
+    assert slower.ttft_s.mean - base.ttft_s.mean == pytest.approx(0.005, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "layout,stages,tokens,message",
+    [
+        ("E+PD", {"encode": 1, "pd": 1}, 100, "for E/P/D"),
+        ("aggregated", {"aggregated": 1}, 100, "for E/P/D"),
+        ("E/P/D", {"encode": 1, "prefill": 1, "decode": 1}, -1, ">= 0"),
+    ],
+)
+def test_local_prefill_is_an_e_p_d_setting(layout, stages, tokens, message) -> None:
+    counts = {s: StageCount("m", n) for s, n in stages.items()}
+    with pytest.raises(PlanInputError, match=message):
+        Fleet(layout, counts, tokens)
