@@ -78,8 +78,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"epd plan validate: --rate {item!r}: give WORKLOAD=REQ_PER_S with a rate "
                   "above 0 (and finite), e.g. image-heavy=6", file=sys.stderr)  # fmt: skip
             return 2
-    model = topology_of(argparse.Namespace(topology=None, model=args.model)).model
-    comparisons = validate.run(model, profiles, rates, args.requests, args.timeout)
+    topology = topology_of(args)
+    try:
+        validate.fleet_of(topology, profiles)
+    except PlanInputError as exc:
+        print(f"epd plan validate: {exc}", file=sys.stderr)
+        return 2
+    comparisons = validate.run(topology, profiles, rates, args.requests, args.timeout)
     print(validate.table(comparisons))
     command = "epd plan validate " + " ".join(sys.argv[3:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +300,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     check.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile folder")
     check.add_argument("--model", default=str(DEFAULT_MODEL), help="model dir (built if absent)")
+    check.add_argument(
+        "--topology",
+        help="run this one-box topology (E+PD or E/P/D, one server per stage) instead of the "
+        "embedded default",
+    )
     check.add_argument(
         "--rate", action="append", help="WORKLOAD=REQ_PER_S (image-heavy, text-heavy, repeated)"
     )

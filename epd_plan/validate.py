@@ -1,8 +1,10 @@
 """``epd plan validate``: the simulator's predictions against real runs on this machine.
 
-For each workload (image-heavy, text-heavy, repeated images) it runs the real default
-deployment (E+PD: one encoder, one engine) under open-loop Poisson load with ``epd bench
-run``'s load generator, then simulates the same fleet under the same workload -- the same
+For each workload (image-heavy, text-heavy, repeated images) it runs a real one-box
+deployment (the default E+PD, one encoder and one engine, or ``--topology``: E+PD or E/P/D
+with one server per stage, conditional disaggregation included) under open-loop Poisson
+load with ``epd bench run``'s load generator, then simulates the same fleet under the same
+workload -- the same
 rate as offered (the load generator's Poisson draw), the prompt and image sizes of the
 requests sent, the output lengths the model produced -- from the profiles, and prints
 predicted / measured for TTFT p50 and p90, time per output token and throughput.
@@ -15,12 +17,12 @@ import asyncio
 import io
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from epd_plan.profile import Profiles
 from epd_plan.simulate import Fleet, StageCount, simulate
-from epd_plan.workload import Workload
+from epd_plan.workload import PlanInputError, Workload
+from orchestrator.config import Topology
 
 SCENARIOS = {"image-heavy": "image", "text-heavy": "text", "repeated": "repeated"}
 """Validation workload -> ``epd bench run`` workload."""
@@ -39,18 +41,38 @@ class Comparison:
         return {k: self.predicted[k] / self.measured[k] for k in self.measured if self.measured[k]}
 
 
-def _workload_of(requests: list, model: Path, rate: float, output_tokens: float, bench: str):
+def fleet_of(topology: Topology, profiles: Profiles) -> Fleet:
+    """The simulator's fleet for a one-box ``topology``: one encoder and one server per
+    engine stage, on the profiled hardware (the first profiled machine of each kind)."""
+    if topology.one_engine:
+        layout, stages = "E+PD", ("encode", "pd")
+    elif topology.servers_of("prefill") and topology.servers_of("decode"):
+        layout, stages = "E/P/D", ("encode", "prefill", "decode")
+    else:
+        raise PlanInputError("validate runs an E+PD or an E/P/D topology")
+    several = [s for s in stages if len(topology.servers_of(s)) != 1]
+    if several:
+        raise PlanInputError(
+            f"validate simulates one box: one server per stage, not several for {several}"
+        )
+    encode = profiles.machines("encode")[0].name
+    engine = profiles.machines("prefill")[0].name
+    counts = {s: StageCount(encode if s == "encode" else engine, 1) for s in stages}
+    return Fleet(layout, counts, topology.routing.max_local_prefill_tokens)
+
+
+def _workload_of(
+    requests: list, topology: Topology, rate: float, output_tokens: float, bench: str
+) -> Workload:
     """The simulator's workload for requests like ``requests`` at ``rate``."""
     from PIL import Image
 
-    from orchestrator.config import default_topology
     from orchestrator.families import family_for
     from orchestrator.frontend import PromptBuilder, user_turn
     from orchestrator.protocol import SamplingOptions
 
-    topology = default_topology(model)
     prompts = PromptBuilder.for_topology(topology, topology.llm_stages)
-    family = family_for(model)
+    family = family_for(topology.model)
     sizes: Counter[str] = Counter()
     text_tokens = []
     for request in requests:
@@ -88,13 +110,16 @@ def realized_rate(rate: float, requests: int, seed: int = 0) -> float:
 
 
 def run(
-    model: Path, profiles: Profiles, rates: dict[str, float], requests: int, timeout_s: float
+    topology: Topology,
+    profiles: Profiles,
+    rates: dict[str, float],
+    requests: int,
+    timeout_s: float,
 ) -> list[Comparison]:
     from epd_bench.load import WORKLOADS, LoadPlan, execute
     from epd_bench.quick import embedded
-    from orchestrator.config import default_topology
 
-    topology = default_topology(model)
+    fleet = fleet_of(topology, profiles)  # refused before anything starts
     results = {}
     with embedded(topology, timeout_s) as running:
         url = running.server_of("epd")[1].grpc_url
@@ -106,18 +131,13 @@ def run(
             (result,) = asyncio.run(execute(url, plan))
             results[scenario] = result
     comparisons = []
-    encode_machine = profiles.machines("encode")[0].name
-    engine_machine = profiles.machines("prefill")[0].name
-    fleet = Fleet(
-        "E+PD", {"encode": StageCount(encode_machine, 1), "pd": StageCount(engine_machine, 1)}
-    )
     for scenario, rate in rates.items():
         result = results[scenario]
         ok = result.requests - result.errors
         output_tokens = result.tokens_per_s * result.duration_s / ok
         sent = WORKLOADS[SCENARIOS[scenario]](requests, 0)
         offered = realized_rate(rate, requests)
-        workload = _workload_of(sent, model, offered, output_tokens, SCENARIOS[scenario])
+        workload = _workload_of(sent, topology, offered, output_tokens, SCENARIOS[scenario])
         p = simulate(fleet, profiles, workload, one_host=True)
         measured = {
             "ttft_p50_s": result.ttft_s.p50,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from epd_plan import planner, scale
 from epd_plan.cli import parse_fleet
@@ -23,7 +24,7 @@ from epd_plan.profile import (
 from epd_plan.simulate import Fleet, StageCount, simulate
 from epd_plan.workload import PlanInputError, Slo, Workload, parse, workload_of_trace
 from orchestrator.cli import main as epd
-from orchestrator.config import Topology
+from orchestrator.config import RoutingSpec, Topology, default_topology
 
 CPU = Machine(name="cpu", cost_per_hour=1.0)
 GPU = Machine(name="gpu", cost_per_hour=2.5)
@@ -364,3 +365,43 @@ def test_cli_predicts_and_plans_with_local_prefill(tmp_path: Path, capsys) -> No
     code = epd([*args, "--fleet", "E+PD encode=1 pd=1", "--max-local-prefill-tokens", "200"])
     assert code == 2
     assert "for E/P/D" in capsys.readouterr().err
+
+
+def test_validate_simulates_the_topology_it_runs(tmp_path: Path, capsys) -> None:
+    """``epd plan validate --topology``: the fleet it simulates is the one-box layout it
+    runs, conditional disaggregation included; a layout it cannot simulate as one box is
+    refused before any server starts."""
+    from epd_plan.validate import fleet_of
+
+    costs = profiles((CPU, 1.0))
+    e_pd = fleet_of(default_topology(tmp_path), costs)
+    assert (e_pd.layout, set(e_pd.stages), e_pd.local_prefill_tokens) == (
+        "E+PD",
+        {"encode", "pd"},
+        0,
+    )
+    local = default_topology(tmp_path, layout="E/P/D").model_copy(
+        update={"routing": RoutingSpec(max_local_prefill_tokens=120)}
+    )
+    e_p_d = fleet_of(local, costs)
+    assert (e_p_d.layout, e_p_d.local_prefill_tokens) == ("E/P/D", 120)
+    assert all(c.replicas == 1 for c in e_p_d.stages.values())
+
+    two_decoders = planner.topology_for(
+        Fleet(
+            "E/P/D",
+            {
+                "encode": StageCount("cpu", 1),
+                "prefill": StageCount("cpu", 1),
+                "decode": StageCount("cpu", 2),
+            },
+        ),
+        tmp_path,
+    )
+    with pytest.raises(PlanInputError, match=r"one server per stage.*decode"):
+        fleet_of(two_decoders, costs)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(json.loads(two_decoders.model_dump_json(exclude_defaults=True))))
+    args = ["plan", "validate", "--profiles", str(_profile_dir(tmp_path)), "--topology", str(path)]
+    assert epd(args) == 2
+    assert "one server per stage" in capsys.readouterr().err
