@@ -18,6 +18,7 @@ the linear model fitted to them, so a reader can check the fit:
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from collections.abc import Sequence
@@ -132,11 +133,17 @@ class EncodeProfile(_Profile):
     samples: list[EncodeSample] = Field(default_factory=list)
 
     def image_tokens(self, width: int, height: int) -> int:
-        """Prompt tokens of a ``width`` x ``height`` image (sides rounded to the unit,
-        capped at the processor's largest)."""
+        """Prompt tokens of a ``width`` x ``height`` image: sides rounded to the unit; an
+        image over the processor's largest is scaled down, its aspect kept, and each side
+        rounded down, as Qwen's ``smart_resize`` does (a 600x400 image at a 64-token cap
+        is 9 x 6 = 54 tokens, not 64)."""
         unit = self.token_unit_px
         tokens = max(1, round(width / unit)) * max(1, round(height / unit))
-        return min(tokens, self.max_image_tokens)
+        if tokens <= self.max_image_tokens:
+            return tokens
+        scale = math.sqrt(width * height / (self.max_image_tokens * unit * unit))
+        sides = [max(1, math.floor(side / scale / unit)) for side in (width, height)]
+        return min(sides[0] * sides[1], self.max_image_tokens)
 
     def call_s(self, width: int, height: int, images: int = 1) -> float:
         return self.base_s + images * (self.image_s + self.mpix_s * width * height / 1e6)

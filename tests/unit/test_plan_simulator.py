@@ -278,3 +278,18 @@ def test_local_prefill_is_an_e_p_d_setting(layout, stages, tokens, message) -> N
     counts = {s: StageCount("m", n) for s, n in stages.items()}
     with pytest.raises(PlanInputError, match=message):
         Fleet(layout, counts, tokens)
+
+
+@pytest.mark.parametrize("cap", [64, 1280])
+def test_image_tokens_follow_the_processors_resize(cap: int) -> None:
+    """The profile's token count of an image is Qwen's ``smart_resize`` grid (the families'
+    arithmetic) for images under and over the processor's largest: a non-square image
+    over the cap is scaled down with its aspect kept, not cut to the cap."""
+    from orchestrator.families.qwen2_vl import QwenImageSettings, smart_resize
+
+    settings = QwenImageSettings(max_pixels=cap * 28 * 28)
+    encode = profiles().get("encode", "m").model_copy(update={"max_image_tokens": cap})
+    for width, height in [(224, 224), (512, 512), (600, 400), (451, 300), (640, 427),
+                          (1024, 768), (1920, 1080), (300, 2000), (3000, 3000)]:  # fmt: skip
+        h, w = smart_resize(height, width, settings)
+        assert encode.image_tokens(width, height) == (h // 28) * (w // 28), (width, height)
