@@ -84,15 +84,10 @@ def erlang_c_wait(lam: float, mu: float, c: int) -> float:
 
 
 def images_only(rate: float, **kw) -> Workload:
-    return Workload(
-        rate_rps=rate,
-        image_share=1.0,
-        prompt_tokens=1,
-        output_tokens=1,
-        duration_s=40_000 / rate,
-        warmup_s=2_000 / rate,
-        **kw,
-    )
+    """One-token requests, each with an image, ``kw`` changing any of that."""
+    shape = {"image_share": 1.0, "prompt_tokens": 1, "output_tokens": 1}
+    length = {"duration_s": 40_000 / rate, "warmup_s": 2_000 / rate}
+    return Workload(**({"rate_rps": rate} | shape | length | kw))
 
 
 @pytest.mark.parametrize("rho", [0.5, 0.8])
@@ -210,15 +205,8 @@ def test_same_seed_same_answer() -> None:
 
 def half_photos(rate: float, seed: int) -> Workload:
     """Text prompts of 50 tokens, and as many of 50 plus one 448x448 image's 256."""
-    return Workload(
-        rate_rps=rate,
-        image_share=0.5,
-        prompt_tokens=50,
-        output_tokens=4,
-        duration_s=4_000 / rate,
-        warmup_s=200 / rate,
-        seed=seed,
-    )
+    shape = {"image_share": 0.5, "prompt_tokens": 50, "output_tokens": 4}
+    return images_only(rate, **shape, duration_s=4_000 / rate, warmup_s=200 / rate, seed=seed)
 
 
 def test_local_prefill_routes_by_the_prompts_tokens_images_included() -> None:
