@@ -80,11 +80,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             return 2
     topology = topology_of(args)
     try:
-        validate.fleet_of(topology, profiles)
+        fleet = validate.fleet_of(topology, profiles)  # refused before anything starts
     except PlanInputError as exc:
         print(f"epd plan validate: {exc}", file=sys.stderr)
         return 2
-    comparisons = validate.run(topology, profiles, rates, args.requests, args.timeout)
+    comparisons = validate.run(topology, fleet, profiles, rates, args.requests, args.timeout)
     print(validate.table(comparisons))
     command = "epd plan validate " + " ".join(sys.argv[3:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

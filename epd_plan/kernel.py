@@ -467,7 +467,8 @@ def run(
                     work += encode_image_s + encode_mpix_s * res_mpix[k]
             r_prompt[r] = tokens
             r_left[r] = tokens
-            r_local[r] = _local(pools, tokens, local_prefill_tokens)
+            # pools 0 and 1 are prefill and decode: ``Fleet`` allows the limit on E/P/D only
+            r_local[r] = 0 < tokens <= local_prefill_tokens
             if r_local[r] and measured:
                 counters[C_LOCAL] += 1
             if n_img > 0 and encode_servers > 0:
@@ -693,18 +694,6 @@ def run(
     for p in range(n_pools):
         seq_s[p] += present[p] * (t - last[p])
     return hist, sums, counters, enc_busy_s, work_s, seq_s, t
-
-
-@numba.njit(cache=True, error_model="numpy")
-def _local(pools, tokens, local_prefill_tokens):
-    """Whether a prompt of ``tokens`` skips prefill: E/P/D (a prefill pool, then decode)
-    with conditional disaggregation on, and the prompt within its limit."""
-    return (
-        local_prefill_tokens > 0
-        and pools.shape[0] == 2
-        and int(pools[0, P_ROLE]) == ROLE_PREFILL
-        and tokens <= local_prefill_tokens
-    )
 
 
 @numba.njit(cache=True, error_model="numpy")

@@ -4,9 +4,9 @@ For each workload (image-heavy, text-heavy, repeated images) it runs a real one-
 deployment (the default E+PD, one encoder and one engine, or ``--topology``: E+PD or E/P/D
 with one server per stage, conditional disaggregation included) under open-loop Poisson
 load with ``epd bench run``'s load generator, then simulates the same fleet under the same
-workload -- the same
-rate as offered (the load generator's Poisson draw), the prompt and image sizes of the
-requests sent, the output lengths the model produced -- from the profiles, and prints
+workload -- the same rate as offered (the load generator's Poisson draw), the prompt and
+image sizes of the requests sent, the output lengths the model produced -- from the
+profiles, and prints
 predicted / measured for TTFT p50 and p90, time per output token and throughput.
 A benchmark, not a test: this box is shared and noisy.
 """
@@ -111,6 +111,7 @@ def realized_rate(rate: float, requests: int, seed: int = 0) -> float:
 
 def run(
     topology: Topology,
+    fleet: Fleet,
     profiles: Profiles,
     rates: dict[str, float],
     requests: int,
@@ -119,7 +120,7 @@ def run(
     from epd_bench.load import WORKLOADS, LoadPlan, execute
     from epd_bench.quick import embedded
 
-    fleet = fleet_of(topology, profiles)  # refused before anything starts
+    """Run ``topology`` under each workload, then simulate ``fleet`` (its ``fleet_of``)."""
     results = {}
     with embedded(topology, timeout_s) as running:
         url = running.server_of("epd")[1].grpc_url
