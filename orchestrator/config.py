@@ -37,6 +37,23 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list such as ``0-3,8`` (``taskset``'s and vLLM's syntax)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a CPU list such as 0-3,8 (an engine is one process here: no "
+            "per-rank '|' lists)"
+        ) from None
+    if not cpus:
+        raise ValueError(f"{text!r} names no CPU")
+    return cpus
+
+
 class ServerSpec(_Spec):
     """One Triton server process (one host in a multi-host deployment)."""
 
@@ -94,6 +111,16 @@ class ServerSpec(_Spec):
                 f"{what} {self.bind_address!r} is not an IP address; Triton binds only IP "
                 f"addresses{hint}"
             ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine_binding(self) -> ServerSpec:
+        bind = self.env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        if bind not in ("auto", "nobind", ""):
+            try:
+                cpu_list(bind)
+            except ValueError as exc:
+                raise ValueError(f"env VLLM_CPU_OMP_THREADS_BIND: {exc}") from None
         return self
 
     @property

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from orchestrator.config import Topology
+from orchestrator.config import Topology, cpu_list
 from orchestrator.ports import free_ports
 from orchestrator.protocol import InvalidRequest, SamplingOptions, Unavailable
 
@@ -70,6 +70,7 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
         # idle workers now sleep. A value set by the operator wins (dedicated cores).
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(default_engine_threads()),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
@@ -83,14 +84,59 @@ def engine_env(topology: Topology, server: str, role: LLMRole) -> dict[str, str]
 
 
 def default_engine_threads() -> int:
-    """OpenMP threads of a CPU engine's steps: every CPU this process may use but one, kept
-    for the serving processes -- what ``vllm serve`` binds its CPU worker to (its
-    ``VLLM_CPU_OMP_THREADS_BIND=auto``, one CPU reserved). We run the engine in-process
+    """OpenMP threads of a CPU engine's steps: one per CPU it is bound to (every CPU this
+    process may use but one, kept for the serving processes, unless the operator binds it
+    otherwise) -- what ``vllm serve`` gives its CPU worker. We run the engine in-process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM neither binds nor can cut torch's
     threads (its CPU worker disables ``torch.set_num_threads``), so the steps ran on every
     core and each waited for the core the serving path held: on 2 cores, one thread served
     the tiny model 18-34% faster (docs/benchmarks.md)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    cpus = engine_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto")
+    return len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def engine_cpus(bind: str) -> set[int] | None:
+    """CPUs a CPU engine's core process runs on, from vLLM's own ``VLLM_CPU_OMP_THREADS_BIND``
+    (which vLLM applies only to the workers of its multiprocess executor, not to the
+    in-process engine we run): ``auto`` is every CPU this process may use but the last, kept
+    for the serving processes (``vllm serve``'s choice on one NUMA node; one usable CPU is
+    used as it is); ``nobind`` leaves the engine wherever the kernel puts it; a list such as
+    ``0-3,8`` names the CPUs. ``None``: no binding."""
+    if bind == "nobind":
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    if bind == "auto":
+        return set(usable[:-1] or usable)
+    cpus = cpu_list(bind)  # the topology checked its syntax; what this host has, here
+    if not cpus <= set(usable):
+        raise ValueError(
+            f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: CPUs {sorted(cpus - set(usable))} are not "
+            f"among those this server may use ({usable})"
+        )
+    return cpus
+
+
+@contextlib.contextmanager
+def processes_started_on(cpus: set[int] | None):
+    """Processes started in the block run on ``cpus``; this process keeps its CPUs. A child
+    inherits the CPUs of the thread that starts it, which is how vLLM's engine core process
+    (its scheduler and the forward passes; the one process of an in-process engine) gets
+    bound without reaching into vLLM. Binding it gave the tiny model on 2 cores 15-25% more
+    requests/s under load: its steps and its socket threads stay on one core while the
+    serving path's processes share the other (docs/benchmarks.md)."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    threads = set(os.listdir("/proc/self/task"))
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+        for tid in set(os.listdir("/proc/self/task")) - threads:  # threads started meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), own)
 
 
 def to_vllm_sampling(opts: SamplingOptions, **overrides: Any):
@@ -141,9 +187,14 @@ class LLMEngine:
         """The engine core's latest ``SchedulerStats`` (sent with each step's outputs)."""
         self.admitted = 0
         """Requests vLLM has taken in so far."""
-        self.engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**args), stat_loggers=[_recorder(self)]
-        )
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()  # on a GPU box neither vLLM nor we bind the core
+        cpus = engine_cpus(env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")) if on_cpu else None
+        with processes_started_on(cpus):
+            self.engine = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**args), stat_loggers=[_recorder(self)]
+            )
 
     def unfinished_requests(self) -> int:
         """Requests this engine has not finished or aborted (vLLM's output processor)."""

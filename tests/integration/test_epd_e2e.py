@@ -571,3 +571,57 @@ def test_one_request_is_one_trace_through_every_hop(epd_stack):
     ids = {s["span_id"] for s in mine}
     assert [s["name"] for s in mine if s["parent_id"] not in ids] == ["epd"]  # one tree
     assert all(s["end_ns"] >= s["start_ns"] for s in mine)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process started under ``pid``, at any depth."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_engines_are_bound_and_the_serving_path_is_not(epd_stack):
+    """Each engine's core process runs on the CPUs ``vllm serve`` would give its worker
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``: every CPU but the last), while Triton and the
+    python-backend stubs that carry requests keep every CPU: the steps and the engine's
+    socket threads stay on their cores, the serving path's processes use the rest."""
+    from orchestrator.llm import engine_cpus
+
+    own = frozenset(os.sched_getaffinity(0))
+    if len(own) < 2:
+        pytest.skip(f"NOT TESTED: tests get one CPU here ({sorted(own)}), nothing to bind apart")
+    engines: dict[str, set[frozenset[int]]] = {}
+    serving: set[frozenset[int]] = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            tasks = Path(f"/proc/{pid}/task").iterdir()
+            masks = {frozenset(os.sched_getaffinity(int(t.name))) for t in tasks}
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ProcessLookupError):
+            continue
+        if comm.startswith("VLLM::EngineCor"):
+            engines[re.search(r"/(\w+)/1/model\.py", parent_cmd).group(1)] = masks
+        elif comm in ("tritonserver", "triton_python_b"):
+            serving |= masks
+    roles = {"pd"} if epd_stack.one_engine else {"prefill", "decode"}
+    assert set(engines) == roles | {"aggregated"}
+    assert serving == {own}, "a serving process or one of its threads was left bound"
+    bound = frozenset(engine_cpus("auto"))
+    for model, masks in engines.items():
+        assert own not in masks, f"{model}: an engine thread runs on every CPU"
+        if model in ("pd", "aggregated"):
+            assert masks == {bound}, model
+        # vLLM's NIXL connector moves the thread that runs the forward pass of a prefill or
+        # decode engine to the last CPU of each NUMA node (its KV transfer reservation).

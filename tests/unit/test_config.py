@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +284,55 @@ def test_cpu_engines_leave_a_cpu_to_the_serving_path_unless_the_operator_says(
         assert engine_env(topo, "llm", "pd")["OMP_NUM_THREADS"] == threads
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert engine_env(topo, "llm", "pd")["OMP_NUM_THREADS"] == "4"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-4,8")
+    assert engine_env(topo, "llm", "pd")["OMP_NUM_THREADS"] == "4"  # one per bound CPU
+
+
+def test_cpu_engines_are_bound_as_vllm_serve_binds_its_worker(monkeypatch):
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, applied to the in-process engine's core."""
+    from orchestrator.llm import engine_cpus
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert engine_cpus("auto") == {0, 1, 2}  # the last CPU kept for the serving path
+    assert engine_cpus("nobind") is None
+    assert engine_cpus("1-2") == {1, 2}
+    assert engine_cpus("0,3") == {0, 3}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5})
+    assert engine_cpus("auto") == {5}  # one CPU: shared, not left out
+    with pytest.raises(ValueError, match=r"\[7\] are not among"):
+        engine_cpus("7")  # not this host's
+    ports = {"http_port": 1, "grpc_port": 2, "metrics_port": 3, "stages": ["pd"]}
+    for bad, why in (("0|1", "no per-rank"), ("x", "not a CPU list"), ("3-1", "names no CPU")):
+        with pytest.raises(ValidationError, match=f"VLLM_CPU_OMP_THREADS_BIND.*{why}"):
+            ServerSpec(**ports, env={"VLLM_CPU_OMP_THREADS_BIND": bad})
+
+
+def test_an_engine_process_started_bound_leaves_its_parent_unbound():
+    """A child started in ``processes_started_on`` runs on those CPUs; the parent's threads,
+    the one that started it and one started meanwhile, keep theirs."""
+    import subprocess
+    import threading
+
+    from orchestrator.llm import processes_started_on
+
+    own = os.sched_getaffinity(0)
+    cpus = {min(own)}
+    started = threading.Event()
+    seen: list[set[int]] = []
+    with processes_started_on(cpus):
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        thread = threading.Thread(
+            target=lambda: (started.wait(), seen.append(os.sched_getaffinity(0)))
+        )
+        thread.start()
+    started.set()
+    thread.join()
+    assert child.stdout.strip() == str(sorted(cpus))
+    assert os.sched_getaffinity(0) == own
+    assert seen == [own]
