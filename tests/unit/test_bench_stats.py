@@ -265,3 +265,14 @@ def test_openai_report_shows_cpu_per_request_by_server():
     report = format_report([ours, peer])
     assert "req/s 0.62x" in report  # 10 / 16
     assert "paired req/s 0.70x [0.50-0.90], TTFT p90 1.00x [1.00-1.00]" in report
+
+
+def test_the_reading_in_the_committed_report_is_the_one_it_is_rendered_from():
+    """``docs/benchmarks.md`` is ``epd bench report ... --analysis docs/benchmarks-analysis.md``:
+    a reading added to the report alone would be lost the next time it is rendered."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    report = (docs / "benchmarks.md").read_text()
+    reading = report[report.index("## Reading the numbers") : report.index("\n## Runs\n")]
+    assert reading.strip() == (docs / "benchmarks-analysis.md").read_text().strip()
