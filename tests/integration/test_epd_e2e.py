@@ -573,28 +573,13 @@ def test_one_request_is_one_trace_through_every_hop(epd_stack):
     assert all(s["end_ns"] >= s["start_ns"] for s in mine)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process started under ``pid``, at any depth."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def test_engines_are_bound_and_the_serving_path_is_not(epd_stack):
     """Each engine's core process runs on the CPUs ``vllm serve`` would give its worker
     (``VLLM_CPU_OMP_THREADS_BIND=auto``: every CPU but the last), while Triton and the
     python-backend stubs that carry requests keep every CPU: the steps and the engine's
     socket threads stay on their cores, the serving path's processes use the rest."""
+    import psutil
+
     from orchestrator.llm import engine_cpus
 
     own = frozenset(os.sched_getaffinity(0))
@@ -602,21 +587,22 @@ def test_engines_are_bound_and_the_serving_path_is_not(epd_stack):
         pytest.skip(f"NOT TESTED: tests get one CPU here ({sorted(own)}), nothing to bind apart")
     engines: dict[str, set[frozenset[int]]] = {}
     serving: set[frozenset[int]] = set()
-    for pid in _descendants(os.getpid()):
+    seen: set[str] = set()
+    for proc in psutil.Process().children(recursive=True):
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            tasks = Path(f"/proc/{pid}/task").iterdir()
-            masks = {frozenset(os.sched_getaffinity(int(t.name))) for t in tasks}
-            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
-        except (OSError, ProcessLookupError):
-            continue
-        if comm.startswith("VLLM::EngineCor"):
+            name = proc.name()
+            masks = {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}
+            parent_cmd = " ".join(proc.parent().cmdline())
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile
+        if name.startswith("VLLM::EngineCor"):
             engines[re.search(r"/(\w+)/1/model\.py", parent_cmd).group(1)] = masks
-        elif comm in ("tritonserver", "triton_python_b"):
+        elif name in ("tritonserver", "triton_python_backend_stub"):  # cmdline-extended
             serving |= masks
+            seen.add(name)
     roles = {"pd"} if epd_stack.one_engine else {"prefill", "decode"}
     assert set(engines) == roles | {"aggregated"}
+    assert seen == {"tritonserver", "triton_python_backend_stub"}
     assert serving == {own}, "a serving process or one of its threads was left bound"
     bound = frozenset(engine_cpus("auto"))
     for model, masks in engines.items():
