@@ -25,7 +25,14 @@ from PIL import Image
 
 from orchestrator.client import generate_body, request_inputs, sample_photo, stream
 from orchestrator.config import Topology
-from tests.conftest import ANIMAL, EPD_LAYOUT, cache_metrics, local_topology, wait_unpinned
+from tests.conftest import (
+    ANIMAL,
+    EPD_LAYOUT,
+    assert_epd_matches_aggregated,
+    cache_metrics,
+    local_topology,
+    wait_unpinned,
+)
 
 pytestmark = pytest.mark.server
 
@@ -611,3 +618,18 @@ def test_engines_are_bound_and_the_serving_path_is_not(epd_stack):
             assert masks == {bound}, model
         # vLLM's NIXL connector moves the thread that runs the forward pass of a prefill or
         # decode engine to the last CPU of each NUMA node (its KV transfer reservation).
+
+
+def test_engines_are_handed_rendered_prompts(epd_stack):
+    """Every engine (``pd`` or prefill and decode, and ``aggregated``) gets vLLM's rendered
+    engine input, as ``vllm serve`` hands its engine one. A raw prompt dict is deprecated in
+    ``AsyncLLM.add_request`` (vLLM warns once per process) and was rendered on vLLM's thread
+    pool: two thread hops per request on the stub's busy loop."""
+    assert_epd_matches_aggregated(epd_stack, "What is in this photo?", [sample_photo()])
+    assert_epd_matches_aggregated(epd_stack, "Say hello.", [])
+    logs = sorted(epd_stack.tracing.directory.parent.glob("try*/logs/*.log"))
+    texts = {log.name: log.read_text(errors="replace") for log in logs}
+    with_engines = [name for name, text in texts.items() if "Resolved architecture" in text]
+    assert len(with_engines) >= 2, f"no vLLM log lines in the servers' logs: {sorted(texts)}"
+    raw = [name for name, text in texts.items() if "Passing raw prompts" in text]
+    assert not raw, f"an engine was handed a raw prompt: {raw}"
