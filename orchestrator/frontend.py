@@ -105,6 +105,9 @@ class FrontRequest:
     """The ``chat_template_kwargs`` input: the chat template's own variables
     (``add_generation_prompt``, ``continue_final_message``, a model's switches), as
     vLLM's chat endpoint passes them; ``PromptBuilder`` keeps what the template reads."""
+    text_bytes: int = 0
+    """Bytes of the prompt's text as sent (messages or raw prompt, template variables): what
+    the template and the tokenizer work through."""
 
 
 REFUSED_TEMPLATE_KWARGS = {
@@ -309,6 +312,7 @@ def parse_front_request(inputs: Tensors, limits: Limits) -> FrontRequest:
         _flag(inputs, "add_special_tokens", default=raw_prompt is not None),
         raw_prompt,
         template_kwargs,
+        text_bytes,
     )
 
 
@@ -371,6 +375,13 @@ class Prompt:
         """Tokens the engine computes once each image's placeholder expands to its
         ``image_tokens`` (every family's template writes one placeholder per image)."""
         return self.text_tokens - len(image_tokens) + sum(image_tokens)
+
+
+SHORT_PROMPT_BYTES = 4096
+"""Up to this much text a prompt is rendered on the caller's loop: the template and the
+tokenizer take 0.1-1.2 ms on 200 B-4 KiB, less than the hop to the builder's thread and
+back costs a busy loop (the render's p90 3.9 -> 0.6 ms, ``docs/benchmarks.md``). A longer
+one is rendered on the thread, where a 1 MiB prompt cannot hold up other streams."""
 
 
 class PromptBuilder:
@@ -465,7 +476,10 @@ class PromptBuilder:
         return prompt
 
     async def render(self, request: FrontRequest) -> Prompt:
-        """``prompt_now`` on the builder's own thread, off the caller's event loop."""
+        """``prompt_now``: on the caller's event loop for a short prompt, else on the
+        builder's own thread (``SHORT_PROMPT_BYTES``)."""
+        if request.text_bytes <= SHORT_PROMPT_BYTES:
+            return self.prompt_now(request)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self.prompt_now, request)
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from orchestrator.config import Limits
 from orchestrator.frontend import (
+    SHORT_PROMPT_BYTES,
     Delta,
     ExtraOutputs,
     Prompt,
@@ -262,16 +263,26 @@ def test_a_tokenizer_that_asks_to_truncate_does_not_cut_the_prompt(hub_checkpoin
     assert len(ids) > 3 and ids == prompts.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def test_prompts_are_rendered_off_the_callers_loop(hub_checkpoint):
+@pytest.mark.parametrize(
+    ("text_bytes", "thread"),
+    [(SHORT_PROMPT_BYTES, "MainThread"), (SHORT_PROMPT_BYTES + 1, "prompt")],
+)
+def test_a_long_prompt_is_rendered_off_the_callers_loop(hub_checkpoint, text_bytes, thread):
+    """A short prompt on the caller's loop (a hop to the thread costs more than rendering
+    it), a long one on the builder's thread, where it cannot hold up the loop's streams."""
+
     class Recording(PromptBuilder):
         def prompt_now(self, request):
             self.thread = threading.current_thread().name
             return super().prompt_now(request)
 
-    prompts = Recording(hub_checkpoint("qwen2_vl"), max_model_len=64)
-    rendered = asyncio.run(prompts.render(parse_front_request(_inputs(), LIMITS)))
+    prompts = Recording(hub_checkpoint("qwen2_vl"), max_model_len=4096)
+    limits = LIMITS.model_copy(update={"max_text_bytes": 2 * SHORT_PROMPT_BYTES})
+    request = parse_front_request(_inputs(b"x" * text_bytes), limits)
+    assert request.text_bytes == text_bytes
+    rendered = asyncio.run(prompts.render(request))
     assert rendered.text_tokens > 0
-    assert prompts.thread.startswith("prompt") and prompts.thread != "MainThread"
+    assert prompts.thread.split("_")[0] == thread
 
 
 def _raw(name: str, value) -> dict[str, np.ndarray]:
