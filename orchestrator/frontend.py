@@ -629,8 +629,10 @@ def tensors_delta(tensors: Tensors) -> Delta:
 async def completion_responses(
     deltas: AsyncIterator[Delta], stream: bool, outputs: ExtraOutputs
 ) -> AsyncIterator[Tensors]:
-    """When streaming, one response per delta that adds text or ends the answer (token
-    counts are per response, as vllm_backend's); else one response with the whole answer."""
+    """When streaming, one response per step that adds tokens or ends the answer, as
+    vllm_backend and ``vllm serve`` stream: a token whose text is not out yet (the first
+    byte of a character) goes out with empty text, not held back a step (token counts are
+    per response); else one response with the whole answer."""
     text: list[str] = []
     tokens, prompt, reason = 0, None, None
     # of the tokens not sent yet: their candidates, their ids; the prompt's, until sent
@@ -649,7 +651,7 @@ async def completion_responses(
             prompt_ids = delta.prompt_token_ids
         if not stream:
             text.append(delta.text)
-        elif reason is not None or delta.text:  # vLLM's finishing output is its last
+        elif reason is not None or delta.text or tokens:  # the finishing output is last
             response = Delta(delta.text, tokens, reason, prompt, steps, ids, prompt_ids)
             tensors = delta_tensors(response, outputs)
             yield LastResponse(tensors) if reason is not None else tensors

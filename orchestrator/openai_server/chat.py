@@ -168,8 +168,8 @@ class ChatAnswer(Answer):
         return chunks
 
     def event(self, index: int, delta: Delta) -> str | None:
-        if not delta.text and delta.finish_reason is None:
-            return None
+        if not delta.text and not delta.num_output_tokens and delta.finish_reason is None:
+            return None  # a token with no text yet is a chunk of its own, as vLLM sends it
         fields: dict[str, Any] = {"finish_reason": delta.finish_reason}
         if (logprobs := self._logprobs(delta.logprobs)) is not None:
             fields["logprobs"] = logprobs

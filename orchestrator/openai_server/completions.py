@@ -116,7 +116,7 @@ class CompletionAnswer(Answer):
 
     def event(self, index: int, delta: Delta) -> str | None:
         text = self._echoed(index) + delta.text
-        if not text and delta.finish_reason is None:
+        if not text and not delta.num_output_tokens and delta.finish_reason is None:
             return None
         extra: dict[str, Any] = {}
         if self.token_ids:

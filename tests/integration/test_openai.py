@@ -584,6 +584,48 @@ def test_usage_in_every_chunk_as_vllm_serve_sends_it(vllm_serve, stack, client, 
             assert total == theirs, model
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_token_with_no_text_yet_is_a_chunk_as_vllm_serve_sends_it(
+    vllm_serve, stack, client, endpoint
+):
+    """A token whose text is not out yet (a character's first byte) goes out at once as a
+    chunk with empty text, as ``vllm serve`` streams it, through ``epd`` and
+    ``aggregated``. Until 2026-12-07 it waited for the next token's chunk: one decode step
+    more of time to first token where an answer starts with one. The tiny model's greedy
+    chat answer to this prompt does, its completion has two such tokens after the first
+    (checked on ``vllm serve``'s own stream)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    def steps(c: openai.OpenAI, model: str) -> list[tuple[str, int]]:
+        """Each chunk's text and the answer's tokens so far (chat's role chunk left out)."""
+        if endpoint == "chat":
+            messages = [{"role": "user", "content": "Once upon a time"}]
+            answer = c.chat.completions.create(
+                model=model, messages=messages, stream=True, stream_options=options, **GREEDY
+            )
+            chunks = [c for c in answer if c.choices and c.choices[0].delta.role is None]
+            return [(c.choices[0].delta.content, c.usage.completion_tokens) for c in chunks]
+        answer = c.completions.create(
+            model=model, prompt="Once upon a time", stream=True, stream_options=options, **GREEDY
+        )
+        return [(c.choices[0].text, c.usage.completion_tokens) for c in answer if c.choices]
+
+    peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
+    theirs = steps(peer, "tiny")
+    first_empty = next((i for i, (text, _) in enumerate(theirs) if not text), None)
+    assert first_empty is not None, f"the answer no longer has such a token: {theirs}"
+    one_each = list(range(1, len(theirs) + 1))  # tokens so far, chunk by chunk
+    assert [n for _, n in theirs[: first_empty + 1]] == one_each[: first_empty + 1], theirs
+    if endpoint == "chat":
+        assert first_empty == 0, theirs  # the answer starts with one: time to first token
+    for model in ("epd", "aggregated"):
+        ours = steps(client, model)
+        assert ours[: first_empty + 1] == theirs[: first_empty + 1], (model, ours)
+        assert "".join(t for t, _ in ours) == "".join(t for t, _ in theirs), model
+        if [n for _, n in theirs] == one_each and [n for _, n in ours] == one_each:
+            assert ours == theirs, model  # neither server merged two steps into one chunk
+
+
 TOKEN_IDS = {
     "chat, photo": {"messages": CASES["photo"]},
     "chat, two images": {"messages": CASES["two images interleaved"]},

@@ -145,10 +145,14 @@ def test_bad_messages_name_the_turn(inputs, message):
 
 def test_optional_outputs_follow_vllm_backend():
     """finish_reason is the string None until the end; token counts are per response when
-    streaming, the totals otherwise."""
+    streaming, the totals otherwise. A token whose text is not out yet is a response of its
+    own with empty text, as vllm_backend and vllm serve stream it (held back for the next
+    one, it cost a whole decode step of time to first token); a step with neither tokens
+    nor text is none."""
 
     async def deltas():
-        yield Delta("", 1, None, 7)  # a token with no text yet
+        yield Delta("", 0, None, 7)  # nothing yet
+        yield Delta("", 1, None, 7)  # a token with no text yet (a character's first byte)
         yield Delta("ab", 1, None, 7)
         yield Delta("c", 1, "length", 7)
 
@@ -157,10 +161,10 @@ def test_optional_outputs_follow_vllm_backend():
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
-    assert [type(r) for r in streamed] == [dict, LastResponse]  # sent with the final flag
-    assert [r["text_output"][0] for r in streamed] == [b"ab", b"c"]
-    assert [r["finish_reason"][0] for r in streamed] == [b"None", b"length"]
-    assert [int(r["num_output_tokens"][0]) for r in streamed] == [2, 1]
+    assert [type(r) for r in streamed] == [dict, dict, LastResponse]  # the last: final flag
+    assert [r["text_output"][0] for r in streamed] == [b"", b"ab", b"c"]
+    assert [r["finish_reason"][0] for r in streamed] == [b"None", b"None", b"length"]
+    assert [int(r["num_output_tokens"][0]) for r in streamed] == [1, 1, 1]
     assert all(int(r["num_input_tokens"][0]) == 7 for r in streamed)
     [whole] = asyncio.run(collect(False))
     assert isinstance(whole, LastResponse)
@@ -180,8 +184,8 @@ def _step(*candidates: tuple[int, float, int, str]) -> dict[int, TokenLogprob]:
 
 def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
     """``logprobs`` (asked by ``return_logprobs``) lists each token's candidates, vLLM's
-    order kept (the sampled token first); a token with no text yet travels with the next
-    response, as its count does; JSON ``null`` when the sampling asked for none."""
+    order kept (the sampled token first), in the response of its token (one with no text
+    yet too); JSON ``null`` when the sampling asked for none."""
     a = _step((5, -0.1, 1, "a"), (9, -2.5, 2, "z"))
     b = _step((6, -1.5, 2, "b"), (7, -0.3, 1, "B"))
     c = _step((8, float("-inf"), 3, "\u00e9"), (7, -0.3, 1, "B"))
@@ -196,12 +200,11 @@ def test_logprobs_ride_with_their_tokens_in_vllm_backends_shape():
         return [r async for r in completion_responses(deltas(), stream, outputs)]
 
     streamed = asyncio.run(collect(True))
-    first = json.loads(streamed[0]["logprobs"][0])
-    assert first == [
-        {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
-         "9": {"logprob": -2.5, "rank": 2, "decoded_token": "z"}},
-        {"6": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
-         "7": {"logprob": -0.3, "rank": 1, "decoded_token": "B"}},
+    assert [json.loads(r["logprobs"][0]) for r in streamed[:2]] == [
+        [{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+          "9": {"logprob": -2.5, "rank": 2, "decoded_token": "z"}}],
+        [{"6": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
+          "7": {"logprob": -0.3, "rank": 1, "decoded_token": "B"}}],
     ]  # fmt: skip
     [whole] = asyncio.run(
         _collect(
@@ -399,8 +402,8 @@ def test_token_ids_ride_with_their_tokens_and_the_prompt_with_the_first():
 
     outputs = ExtraOutputs(True, True, True, logprobs=False, token_ids=True)
     streamed = asyncio.run(_collect(completion_responses(deltas(), True, outputs)))
-    assert [r["token_ids"].tolist() for r in streamed] == [[7, 8], [9]]
-    assert ["prompt_token_ids" in r for r in streamed] == [True, False]
+    assert [r["token_ids"].tolist() for r in streamed] == [[7], [8], [9]]
+    assert ["prompt_token_ids" in r for r in streamed] == [True, False, False]
     assert tensors_delta(streamed[0]).prompt_token_ids == [1, 2, 3]
     [whole] = asyncio.run(_collect(completion_responses(deltas(), False, outputs)))
     assert whole["token_ids"].tolist() == [7, 8, 9]

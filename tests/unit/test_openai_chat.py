@@ -221,6 +221,8 @@ def test_answers_in_openai_shapes():
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     answer.add(0, Delta("he", 2, None, 9))
     assert answer.event(0, Delta("", 0, None)) is None  # nothing to send
+    no_text_yet = json.loads(answer.event(0, Delta("", 1, None)).removeprefix("data: "))
+    assert no_text_yet["choices"][0]["delta"] == {"content": ""}  # a token: vLLM sends it
     answer.add(0, Delta("y", 1, "stop", 9))
     whole = answer.response().model_dump()
     assert whole["choices"][0]["message"] == {**whole["choices"][0]["message"], "content": "hey"}

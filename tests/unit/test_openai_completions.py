@@ -89,6 +89,7 @@ def test_answers_in_openai_shapes_with_the_prompt_echoed_once():
     assert first["choices"] == [{"index": 1, "text": "Bx", "finish_reason": None}]
     assert _event(answer.event(1, Delta("y", 1, None)))["choices"][0]["text"] == "y"
     assert answer.event(1, Delta("", 0, None)) is None  # nothing to send
+    assert _event(answer.event(1, Delta("", 1, None)))["choices"][0]["text"] == ""  # a token
     answer.add(0, Delta("", 0, "length", 3))
     last = _event(answer.event(0, Delta("", 0, "length")))["choices"][0]
     assert (last["index"], last["text"], last["finish_reason"]) == (0, "A", "length")
