@@ -169,7 +169,7 @@ class ChatAnswer(Answer):
 
     def event(self, index: int, delta: Delta) -> str | None:
         if not delta.text and not delta.num_output_tokens and delta.finish_reason is None:
-            return None  # a token with no text yet is a chunk of its own, as vLLM sends it
+            return None  # neither tokens nor text: a token with no text yet is still sent
         fields: dict[str, Any] = {"finish_reason": delta.finish_reason}
         if (logprobs := self._logprobs(delta.logprobs)) is not None:
             fields["logprobs"] = logprobs

@@ -603,12 +603,12 @@ def test_a_token_with_no_text_yet_is_a_chunk_as_vllm_serve_sends_it(
             answer = c.chat.completions.create(
                 model=model, messages=messages, stream=True, stream_options=options, **GREEDY
             )
-            chunks = [c for c in answer if c.choices and c.choices[0].delta.role is None]
-            return [(c.choices[0].delta.content, c.usage.completion_tokens) for c in chunks]
+            chunks = [ch for ch in answer if ch.choices and ch.choices[0].delta.role is None]
+            return [(ch.choices[0].delta.content, ch.usage.completion_tokens) for ch in chunks]
         answer = c.completions.create(
             model=model, prompt="Once upon a time", stream=True, stream_options=options, **GREEDY
         )
-        return [(c.choices[0].text, c.usage.completion_tokens) for c in answer if c.choices]
+        return [(ch.choices[0].text, ch.usage.completion_tokens) for ch in answer if ch.choices]
 
     peer = openai.OpenAI(base_url=vllm_serve, api_key="unused", max_retries=0)
     theirs = steps(peer, "tiny")
