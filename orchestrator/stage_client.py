@@ -168,9 +168,9 @@ class _Channel:
     thing (one HTTP/2 stream, one message, the client's half-close), and gRPC then sends
     the headers, the request and the half-close in one batch. As a bidirectional call (what
     tritonclient's ``stream_infer`` makes) they are three operations, each waited for in
-    turn on the event loop, with a task to feed the request iterator: measured against
-    a running server, the server-streaming call takes about a third less of the caller's
-    CPU (0.4-0.8 against 0.6-1.1 ms a call)."""
+    turn on the event loop, with a task to feed the request iterator. Measured against a
+    running server, alternated, the server-streaming call takes about a quarter less of
+    the caller's CPU (``docs/benchmarks.md``: 0.72 against 0.90 ms a call, four at once)."""
 
     def __init__(self, url: str) -> None:
         import grpc
@@ -191,9 +191,10 @@ class GrpcStageClient(StageClient):
     """Remote call over a gRPC stream of Triton's inference protocol, signed with the
     deployment key.
 
-    Triton ends a request whose last response carried no data with a data-less final flag
-    only when asked; not asking, such a call is finished when the server closes the stream
-    (it does so once our single request is complete, the stream half-closed).
+    A call does not ask Triton for an empty final response
+    (``triton_enable_empty_final_response``), so a request that ends with a data-less
+    final flag is finished when the server closes the stream: it does so once our single
+    request is complete, the stream half-closed, the same moment.
 
     With ``replies`` (a started ``ReplyListener``), the callee writes its responses to that
     listener instead (``reply_channel``): the call yields them as they arrive there and
