@@ -45,36 +45,6 @@ def triton_dtype(array: np.ndarray) -> str:
         raise TypeError(f"no Triton dtype for numpy {array.dtype}") from None
 
 
-def infer_request(
-    model: str,
-    inputs: Tensors,
-    outputs: list[str],
-    ctx: RequestContext,
-    parameters: dict[str, str],
-) -> Any:
-    """Triton's ``ModelInferRequest`` of one call on behalf of ``ctx``'s request: the
-    tensors in its raw contents (BYTES length-prefixed, as Triton reads them), the time
-    left to the request as Triton's ``timeout`` (µs), ``parameters`` as strings."""
-    from tritonclient.grpc import service_pb2
-    from tritonclient.utils import serialize_byte_tensor
-
-    request = service_pb2.ModelInferRequest(model_name=model, id=ctx.request_id)
-    for name, value in inputs.items():
-        tensor = request.inputs.add(name=name, datatype=triton_dtype(value))
-        tensor.shape.extend(value.shape)
-        if value.dtype == np.object_:
-            serialized = serialize_byte_tensor(value)
-            request.raw_input_contents.append(serialized.item() if serialized.size else b"")
-        else:
-            request.raw_input_contents.append(value.tobytes())
-    for name in outputs:
-        request.outputs.add(name=name)
-    request.parameters["timeout"].int64_param = max(1, int(ctx.remaining() * 1_000_000))
-    for name, value in parameters.items():
-        request.parameters[name].string_param = value
-    return request
-
-
 class StageClient(ABC):
     """Calls one decoupled model and yields its responses' output tensors."""
 
@@ -156,45 +126,13 @@ _PROBE_INPUT = {"encode": "release", "prefill": "request", "decode": "request", 
 """A required (or harmless) input of each stage model: a probe must pass Triton's input
 checks to reach the model, which answers it without reading the value."""
 
-_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
-
-
-class _Channel:
-    """One gRPC channel to a stage server, the calls made on it, and its count of calls
-    in flight (a channel replaced by a fresh one is closed once its last call ends).
-
-    Triton's ``ModelStreamInfer`` is a bidirectional stream, but a stage call sends one
-    request on it, so it is called here as server-streaming: on the wire that is the same
-    thing (one HTTP/2 stream, one message, the client's half-close), and gRPC then sends
-    the headers, the request and the half-close in one batch. As a bidirectional call (what
-    tritonclient's ``stream_infer`` makes) they are three operations, each waited for in
-    turn on the event loop, with a task to feed the request iterator. Measured against a
-    running server, alternated, the server-streaming call takes about a quarter less of
-    the caller's CPU (``docs/benchmarks.md``: 0.72 against 0.90 ms a call, four at once)."""
-
-    def __init__(self, url: str) -> None:
-        import grpc
-        from tritonclient.grpc import service_pb2, service_pb2_grpc
-
-        self.opened = time.monotonic()
-        self.channel = grpc.aio.insecure_channel(url, options=_CHANNEL_ARGS)
-        self.service = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
-        self.stream_infer = self.channel.unary_stream(
-            _STREAM_INFER,
-            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
-            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
-        )
-        self.calls = 0
-
 
 class GrpcStageClient(StageClient):
-    """Remote call over a gRPC stream of Triton's inference protocol, signed with the
-    deployment key.
+    """Remote call over tritonclient's asyncio gRPC stream, signed with the deployment key.
 
-    A call does not ask Triton for an empty final response
-    (``triton_enable_empty_final_response``), so a request that ends with a data-less
-    final flag is finished when the server closes the stream: it does so once our single
-    request is complete, the stream half-closed, the same moment.
+    The aio client cannot ask for Triton's empty final response, so a request that ends
+    with a data-less final flag is finished when the server closes the stream (it does so
+    once our single request is complete and we have half-closed).
 
     With ``replies`` (a started ``ReplyListener``), the callee writes its responses to that
     listener instead (``reply_channel``): the call yields them as they arrive there and
@@ -209,30 +147,35 @@ class GrpcStageClient(StageClient):
         resolve_interval_s: float = 30.0,
         replies: ReplyListener | None = None,
     ) -> None:
-        from tritonclient.grpc import service_pb2
+        import tritonclient.grpc.aio as grpcclient
 
-        self._pb = service_pb2
+        self._mod = grpcclient
         self._url = url
         self._key = key
         self._replies = replies
         self._reply_address: str | None = None
         self._draining: set[asyncio.Task] = set()
-        self._metadata = ((GRPC_EDGE_HEADER, key.edge_token),)
+        self._headers = {GRPC_EDGE_HEADER: key.edge_token}
         self._resolve_interval_s = resolve_interval_s
-        self._current = _Channel(url)
-        self._open: list[_Channel] = [self._current]
-        """Channels not closed yet: the current one, and replaced ones with calls in flight."""
+        self._client = self._open()
+        self._calls: dict[Any, int] = {self._client: 0}
+        """Calls in flight per channel: a channel replaced by a fresh one is closed once
+        its last call ends."""
 
-    def _channel(self) -> _Channel:
+    def _open(self) -> Any:
+        self._opened = time.monotonic()
+        return self._mod.InferenceServerClient(self._url, channel_args=_CHANNEL_ARGS)
+
+    def _channel(self) -> Any:
         """The current channel, replaced by a fresh one (the name resolved again) every
         ``resolve_interval_s``; the old one is closed by its last call."""
-        if time.monotonic() - self._current.opened >= self._resolve_interval_s:
-            old, self._current = self._current, _Channel(self._url)
-            self._open.append(self._current)
-            if old.calls == 0:
-                self._open.remove(old)
-                asyncio.get_running_loop().create_task(old.channel.close())
-        return self._current
+        if time.monotonic() - self._opened >= self._resolve_interval_s:
+            old, self._client = self._client, self._open()
+            self._calls[self._client] = 0
+            if self._calls[old] == 0:
+                del self._calls[old]
+                asyncio.get_running_loop().create_task(old.close())
+        return self._client
 
     async def call(
         self,
@@ -242,6 +185,12 @@ class GrpcStageClient(StageClient):
         ctx: RequestContext,
         parameters: dict[str, str] | None = None,
     ) -> AsyncIterator[Tensors]:
+        mod = self._mod
+        infer_inputs = []
+        for name, value in inputs.items():
+            tensor = mod.InferInput(name, list(value.shape), triton_dtype(value))
+            tensor.set_data_from_numpy(value)
+            infer_inputs.append(tensor)
         parameters = dict(parameters or {})
         reply_call, inbox = None, None
         if self._replies is not None:
@@ -258,12 +207,25 @@ class GrpcStageClient(StageClient):
             tracing.trace.SpanKind.CLIENT,
             **{"server.address": self._url},
         )
-        parameters = {MAC_PARAMETER: mac, **tracing.carrier(tracing.within(span)), **parameters}
-        channel = self._channel()
-        channel.calls += 1
-        stream = channel.stream_infer(
-            infer_request(model, inputs, outputs, ctx, parameters), metadata=self._metadata
-        )
+        request = {
+            "model_name": model,
+            "inputs": infer_inputs,
+            "outputs": [mod.InferRequestedOutput(n) for n in outputs],
+            "request_id": ctx.request_id,
+            "timeout": max(1, int(ctx.remaining() * 1_000_000)),
+            "parameters": {
+                MAC_PARAMETER: mac,
+                **tracing.carrier(tracing.within(span)),
+                **parameters,
+            },
+        }
+
+        async def requests():
+            yield request
+
+        client = self._channel()
+        self._calls[client] += 1
+        stream = client.stream_infer(requests(), headers=self._headers)
         watch = None
         finished = False
         try:
@@ -280,7 +242,7 @@ class GrpcStageClient(StageClient):
             raise
         except Exception as exc:  # grpc errors: unreachable, reset
             tracing.failed(span, exc)
-            raise StageUnreachable(f"{model} at {self._url} failed: {_rpc_error(exc)}") from None
+            raise StageUnreachable(f"{model} at {self._url} failed: {exc}") from None
         finally:
             span.end()
             if reply_call is not None:
@@ -288,7 +250,7 @@ class GrpcStageClient(StageClient):
             if watch is not None and finished and not watch.done():
                 # The answer is complete and Triton's final flag on its way: let it come.
                 drain = asyncio.get_running_loop().create_task(
-                    self._drain(watch, stream, channel, ctx.idle_timeout_s)
+                    self._drain(watch, stream, client, ctx.idle_timeout_s)
                 )
                 self._draining.add(drain)
                 drain.add_done_callback(self._draining.discard)
@@ -297,29 +259,25 @@ class GrpcStageClient(StageClient):
                     watch.cancel()
                 if not finished:  # we stop early (cancelled, timed out): so must the callee
                     stream.cancel()
-                await self._release(channel)
+                await self._release(client)
 
     async def _triton_responses(
         self, stream: Any, model: str, ctx: RequestContext
     ) -> AsyncIterator[Tensors]:
         """The call's responses as the gRPC stream brings them."""
-        from grpc.aio import EOF
-        from tritonclient.grpc import InferResult
-
         while True:
             wait = min(ctx.idle_timeout_s, ctx.remaining())
             try:
                 async with asyncio.timeout(wait):
-                    message = await stream.read()
+                    result, error = await anext(stream)
+            except StopAsyncIteration:
+                return
             except TimeoutError:
                 raise self._timed_out(model, wait, ctx) from None
-            if message is EOF:
-                return
-            if message.error_message:
-                raise error_from_message(message.error_message)
-            response = message.infer_response
+            if error is not None:
+                raise error_from_message(error.message())
+            response = result.get_response()
             if response.outputs:
-                result = InferResult(response)
                 yield {o.name: result.as_numpy(o.name) for o in response.outputs}
             if response.parameters["triton_final_response"].bool_param:
                 return
@@ -356,11 +314,11 @@ class GrpcStageClient(StageClient):
         """Read a reply-channel call's gRPC stream to its end: the callee's error, or its
         end, goes on ``inbox``."""
         try:
-            async for message in stream:
-                if message.error_message:
-                    inbox.put_nowait((None, error_from_message(message.error_message)))
+            async for result, error in stream:
+                if error is not None:
+                    inbox.put_nowait((None, error_from_message(error.message())))
                     return
-                response = message.infer_response
+                response = result.get_response()
                 if response.outputs:
                     wrong = StageError(f"{model} answered on Triton, not on the reply channel")
                     inbox.put_nowait((None, wrong))
@@ -368,14 +326,11 @@ class GrpcStageClient(StageClient):
                 if response.parameters["triton_final_response"].bool_param:
                     break
         except Exception as exc:  # grpc errors: unreachable, reset
-            failed = StageUnreachable(f"{model} at {self._url} failed: {_rpc_error(exc)}")
-            inbox.put_nowait((None, failed))
+            inbox.put_nowait((None, StageUnreachable(f"{model} at {self._url} failed: {exc}")))
             return
         inbox.put_nowait((None, None))
 
-    async def _drain(
-        self, watch: asyncio.Task, stream: Any, channel: _Channel, wait_s: float
-    ) -> None:
+    async def _drain(self, watch: asyncio.Task, stream: Any, client: Any, wait_s: float) -> None:
         """Wait (bounded) for the rest of a finished call's gRPC stream, then release it."""
         try:
             async with asyncio.timeout(wait_s):
@@ -384,14 +339,14 @@ class GrpcStageClient(StageClient):
             watch.cancel()
             stream.cancel()
         finally:
-            await self._release(channel)
+            await self._release(client)
 
-    async def _release(self, channel: _Channel) -> None:
-        """One call on ``channel`` is over; a replaced channel closes with its last call."""
-        channel.calls -= 1
-        if channel is not self._current and channel.calls == 0:
-            self._open.remove(channel)
-            await channel.channel.close()
+    async def _release(self, client: Any) -> None:
+        """One call on ``client`` is over; a replaced channel closes with its last call."""
+        self._calls[client] -= 1
+        if client is not self._client and self._calls[client] == 0:
+            del self._calls[client]
+            await client.close()
 
     def _timed_out(self, model: str, wait: float, ctx: RequestContext) -> DeadlineExceeded:
         what = "deadline" if wait < ctx.idle_timeout_s else "idle timeout"
@@ -407,15 +362,14 @@ class GrpcStageClient(StageClient):
         backoff, calls fail at once with the last error (e.g. "connection refused" from
         before the server was up), so one failed call says little. The caller bounds the
         wait."""
-        from grpc.aio import AioRpcError
+        from tritonclient.utils import InferenceServerException
 
         while True:
             try:
-                answer = await self._channel().service.ServerReady(self._pb.ServerReadyRequest())
-                if not answer.ready:
+                if not await self._channel().is_server_ready():
                     return False
                 break
-            except AioRpcError:
+            except InferenceServerException:
                 await asyncio.sleep(0.1)
         probe = {_PROBE_INPUT[model]: np.array([b"{}"], dtype=np.object_)}
         ctx = RequestContext.create(timeout_s=30, idle_timeout_s=30)
@@ -428,32 +382,20 @@ class GrpcStageClient(StageClient):
 
     async def model_ready(self, model: str) -> bool:
         """Triton's own readiness of ``model`` (False while the server is unreachable)."""
-        from grpc.aio import AioRpcError
+        from tritonclient.utils import InferenceServerException
 
         try:
-            answer = await self._channel().service.ModelReady(
-                self._pb.ModelReadyRequest(name=model), metadata=self._metadata
-            )
-        except AioRpcError:
+            return await self._channel().is_model_ready(model, headers=self._headers)
+        except InferenceServerException:
             return False
-        return answer.ready
 
     async def close(self) -> None:
         for drain in list(self._draining):
             drain.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
-        for channel in self._open:
-            await channel.channel.close()
-        self._open.clear()
-
-
-def _rpc_error(exc: Exception) -> str:
-    """A gRPC error as its status and details (its repr also has a debug string)."""
-    from grpc.aio import AioRpcError
-
-    if isinstance(exc, AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc)
+        for client in list(self._calls):
+            await client.close()
+        self._calls.clear()
 
 
 def _host_of(url: str) -> str:

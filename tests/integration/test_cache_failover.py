@@ -344,9 +344,9 @@ def test_one_name_for_several_encoders_spreads_calls_and_renews_its_channel(stac
                     ctx = RequestContext.create(timeout_s=30, idle_timeout_s=30)
                     async for _ in client.call("encode", probe, [], ctx, {PROBE_PARAMETER: "1"}):
                         pass
-                    used.add(client._current)  # kept: ids of closed ones may be reused
+                    used.add(client._client)  # kept: ids of closed ones may be reused
                     await asyncio.sleep(0.05)
-                return len(used), len(client._open)
+                return len(used), len(client._calls)
             finally:
                 await client.close()
 
